@@ -1,0 +1,195 @@
+"""Frozen input specs: the model, the training setup and the parallel layout.
+
+Everything the estimator reads is here, validated once. Errors name the field and show the arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral"]
+TrainDtype = Literal["bf16", "fp16", "fp32"]
+Checkpointing = Literal["none", "selective", "full"]
+Attention = Literal["flash", "sdpa", "eager"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+Optimizer = Literal["adamw", "torch_adamw", "cpu_adam", "sgd", "lion"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Frozen):
+    """A decoder-only transformer as transformers implements its family (what `--model` resolves to)."""
+
+    name: str = Field(description="preset name or config path")
+    family: Family = Field(description="transformers model_type")
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0, description="num_hidden_layers")
+    num_heads: int = Field(gt=0, description="num_attention_heads")
+    num_kv_heads: int = Field(gt=0, description="num_key_value_heads (= num_heads without GQA)")
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0, description="MLP width (per expert for MoE)")
+    vocab_size: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = Field(False, description="bias on q/k/v projections")
+    attention_out_bias: bool = Field(False, description="bias on the attention output projection")
+    mlp_bias: bool = False
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    gated_mlp: bool = Field(True, description="gate/up/down (SwiGLU) vs fc_in/fc_out")
+    activation: str = "silu"
+    position_embedding: Literal["rope", "learned", "alibi"] = "rope"
+    parallel_residual: bool = Field(False, description="GPT-NeoX: attention and MLP read the same input")
+    qk_norm: bool = Field(False, description="Qwen3: RMSNorm on q and k per head")
+    embedding_norm: bool = Field(False, description="BLOOM: LayerNorm after the word embeddings")
+    num_experts: int = Field(0, ge=0, description="MoE experts per layer (0: dense)")
+    num_experts_per_tok: int = Field(0, ge=0)
+    source: str = Field("", description="where the numbers come from")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be divisible by num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
+            )
+        return self
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection output: heads · head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of each key / value projection output: kv_heads · head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+
+class ZeroSpec(_Frozen):
+    """DeepSpeed zero_optimization, with DeepSpeed 0.19.8's defaults (runtime/zero/config.py)."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    reduce_bucket_size: int = Field(500_000_000, gt=0)
+    allgather_bucket_size: int = Field(500_000_000, gt=0)
+    overlap_comm: Optional[bool] = Field(None, description="None: True for stage 3, False for 1/2")
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    sub_group_size: int = Field(1_000_000_000, gt=0)
+    offload_optimizer: OffloadDevice = "none"
+    offload_param: OffloadDevice = "none"
+    pin_memory: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "ZeroSpec":
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(f"offload_param needs ZeRO stage 3 (stage is {self.stage})")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
+        return self
+
+    @property
+    def overlap(self) -> bool:
+        """overlap_comm as DeepSpeed resolves it (DeepSpeedZeroConfig: stage 3 → True)."""
+        return self.overlap_comm if self.overlap_comm is not None else self.stage == 3
+
+
+class TrainingSpec(_Frozen):
+    """What one rank does per step: tokens, dtype, checkpointing, attention, optimizer, ZeRO."""
+
+    seq_len: int = Field(gt=0, description="tokens per sequence (before Ulysses splits it)")
+    micro_batch: int = Field(1, gt=0, description="sequences per rank per micro-step")
+    grad_accum: int = Field(1, gt=0, description="micro-steps per optimizer step")
+    dtype: TrainDtype = "bf16"
+    checkpointing: Checkpointing = "none"
+    attention: Attention = "sdpa"
+    optimizer: Optimizer = "adamw"
+    zero: ZeroSpec = ZeroSpec()
+    grad_accum_dtype: Optional[TrainDtype] = Field(None, description="data_types.grad_accum_dtype; None: the training dtype")
+    sp_comm_dtype: TrainDtype = Field("fp32", description="seq_parallel_communication_data_type (used when sp > 1)")
+
+
+class Layout(_Frozen):
+    """The parallel layout, resolved once: world = dp · tp · pp · sp."""
+
+    world: int = Field(1, gt=0, description="--gpus: all ranks")
+    gpus_per_node: int = Field(8, gt=0)
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    sp: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Layout":
+        inner = self.tp * self.pp * self.sp
+        if self.world % inner:
+            raise ValueError(
+                f"gpus ({self.world}) must be divisible by tp·pp·sp ({self.tp}·{self.pp}·{self.sp} = {inner})"
+            )
+        return self
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: world / (tp·pp·sp)."""
+        return self.world // (self.tp * self.pp * self.sp)
+
+    @property
+    def zero_group(self) -> int:
+        """ZeRO partition group size N: dp·sp (DeepSpeed partitions over the sequence-data-parallel group)."""
+        return self.dp * self.sp
+
+    @property
+    def nodes(self) -> int:
+        """Nodes used: ceil(world / gpus_per_node)."""
+        return -(-self.world // self.gpus_per_node)
+
+
+class Job(_Frozen):
+    """One training job: what `estimate` and `verify` take."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    layout: Layout = Layout()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Job":
+        m, t, lay = self.model, self.training, self.layout
+        if lay.sp > 1:
+            if t.seq_len % lay.sp:
+                raise ValueError(f"seq ({t.seq_len}) must be divisible by sp ({lay.sp})")
+            if m.num_heads % (lay.sp * lay.tp):
+                raise ValueError(
+                    f"num_attention_heads ({m.num_heads}) must be divisible by tp·sp ({lay.tp}·{lay.sp})"
+                )
+            if m.num_kv_heads < lay.sp or m.num_kv_heads % lay.sp:
+                raise ValueError(
+                    f"num_key_value_heads ({m.num_kv_heads}) must be a multiple of sp ({lay.sp}) (DeepSpeed Ulysses)"
+                )
+        if lay.tp > 1 and m.num_heads % lay.tp:
+            raise ValueError(f"num_attention_heads ({m.num_heads}) must be divisible by tp ({lay.tp})")
+        if lay.tp > 1 and m.num_kv_heads % lay.tp:
+            raise ValueError(f"num_key_value_heads ({m.num_kv_heads}) must be divisible by tp ({lay.tp})")
+        if lay.pp > 1 and m.num_layers < lay.pp:
+            raise ValueError(f"num_layers ({m.num_layers}) must be at least pp ({lay.pp})")
+        if lay.pp > 1 and t.zero.stage >= 2:
+            raise ValueError(
+                f"ZeRO stage {t.zero.stage} is incompatible with pipeline parallelism (pp={lay.pp}); use stage 0 or 1"
+            )
+        if lay.sp > 1 and (lay.tp > 1 or lay.pp > 1):
+            raise ValueError(
+                f"Ulysses sp ({lay.sp}) does not combine with tp ({lay.tp}) or pp ({lay.pp}) in DeepSpeed"
+            )
+        return self
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens one rank holds outside attention per micro-step: micro_batch · seq / sp."""
+        return self.training.micro_batch * self.training.seq_len // self.layout.sp
