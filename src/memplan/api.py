@@ -1,0 +1,29 @@
+"""The library API: `estimate(job, ...)` returns the typed Estimate for the most loaded rank.
+
+(The estimator itself lives in memplan.estimator; this module is the stable entry point.)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .result import Estimate
+from .specs import Job
+
+
+def estimate(
+    job: Job,
+    *,
+    target_bytes: Optional[int] = None,
+    gpu_name: Optional[str] = None,
+    gpu_bytes: Optional[int] = None,
+) -> Estimate:
+    """Predict the per-GPU memory of ``job``: peak allocated / reserved, the breakdown at the peak,
+    the timeline of phases, and host RAM / NVMe per node for offload.
+
+    ``target_bytes`` and ``gpu_bytes`` only set the verdicts (fits_target, fits_gpu).
+    """
+    from .estimator import estimate_job
+
+    est = estimate_job(job)
+    return est.model_copy(update={"target_bytes": target_bytes, "gpu_name": gpu_name, "gpu_bytes": gpu_bytes})
