@@ -45,6 +45,7 @@ class ModelSpec(_Frozen):
     parallel_residual: bool = Field(False, description="GPT-NeoX: attention and MLP read the same input")
     qk_norm: bool = Field(False, description="Qwen3: RMSNorm on q and k per head")
     embedding_norm: bool = Field(False, description="BLOOM: LayerNorm after the word embeddings")
+    rotary_pct: float = Field(1.0, gt=0, le=1, description="GPT-NeoX: share of head_dim that gets RoPE (rotary_pct)")
     num_experts: int = Field(0, ge=0, description="MoE experts per layer (0: dense)")
     num_experts_per_tok: int = Field(0, ge=0)
     source: str = Field("", description="where the numbers come from")

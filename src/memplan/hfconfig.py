@@ -1,0 +1,262 @@
+"""Hugging Face config.json → ModelSpec, with the defaults transformers 5.17 applies to missing keys.
+
+Each family's defaults, key aliases and derived sizes are read from its
+``transformers/models/<family>/configuration_<family>.py`` (the dataclass defaults, ``attribute_map`` and
+``__post_init__``) and ``modeling_<family>.py`` (what the modules actually build). ``model_type`` decides the
+family; ``architectures`` is only a hint, used when ``model_type`` is missing and the architecture is GPT-2
+(the seed's 176B config is written that way). Pure: no torch, no transformers import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import InputError, from_pydantic
+from .specs import ModelSpec
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral")
+
+#: largest size accepted for any dimension (a guard against hostile input, far above any real model)
+MAX_DIM = 2**32
+
+#: ``attribute_map`` of each config class: generic key → the family's own field (GPT2Config, BloomConfig,
+#: MixtralConfig). BloomConfig.__post_init__ also pops ``n_embed`` into hidden_size.
+_ALIASES: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "hidden_size": "n_embd",
+        "max_position_embeddings": "n_positions",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+    },
+    "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "n_embed": "hidden_size"},
+    "mixtral": {"num_experts": "num_local_experts"},
+}
+
+#: dataclass defaults of each config class in transformers 5.17 (fields that shape parameters or memory).
+_LLAMA_LIKE = {"hidden_act": "silu", "tie_word_embeddings": False, "num_key_value_heads": None, "head_dim": None}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {  # LlamaConfig
+        **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+        "attention_bias": False, "mlp_bias": False,
+    },
+    "mistral": {  # MistralConfig (num_key_value_heads defaults to 8, not to the heads)
+        **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+    },
+    "qwen2": {  # Qwen2Config (q/k/v always carry a bias in Qwen2Attention)
+        **_LLAMA_LIKE, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+    },
+    "qwen3": {  # Qwen3Config (head_dim defaults to 128, not hidden/heads)
+        **_LLAMA_LIKE, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+        "max_position_embeddings": 32768, "attention_bias": False,
+    },
+    "mixtral": {  # MixtralConfig
+        **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32, "num_experts_per_tok": 2, "num_local_experts": 8,
+    },
+    "gpt2": {  # GPT2Config (n_inner None → 4·n_embd in GPT2Block)
+        "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+        "activation_function": "gelu_new", "tie_word_embeddings": True, "add_cross_attention": False,
+    },
+    "gpt_neox": {  # GPTNeoXConfig (rotary_pct → rope_parameters.partial_rotary_factor, default 0.25)
+        "vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+        "intermediate_size": 24576, "hidden_act": "gelu", "max_position_embeddings": 2048,
+        "tie_word_embeddings": False, "use_parallel_residual": True, "attention_bias": True, "rotary_pct": 0.25,
+    },
+    "bloom": {  # BloomConfig (MLP is 4·hidden in BloomMLP; ALiBi, no position table)
+        "vocab_size": 250880, "hidden_size": 64, "n_layer": 2, "n_head": 8, "tie_word_embeddings": True,
+    },
+}
+
+#: BLOOM has no position limit (ALiBi); ModelSpec needs one: its training length (BigScience used 2048).
+BLOOM_DEFAULT_POSITIONS = 2048
+
+
+class _Keys:
+    """Reads one family's config keys: aliases resolved, transformers' defaults filled, values checked."""
+
+    def __init__(self, cfg: dict, family: str):
+        self.family = family
+        self.values = dict(_DEFAULTS[family])
+        given: dict[str, tuple[str, Any]] = {}
+        for key, value in cfg.items():
+            field = _ALIASES.get(family, {}).get(key, key)
+            if field in given and given[field][1] != value:
+                raise InputError(f"model.{key}", f"conflicts with {given[field][0]} ({given[field][1]!r} vs {value!r})")
+            given[field] = (key, value)
+        self.source_key = {field: key for field, (key, _) in given.items()}
+        self.values.update({field: value for field, (_, value) in given.items()})
+
+    def int(self, field: str) -> int:
+        value = self.values.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIM:
+            key = self.source_key.get(field, field)
+            raise InputError(f"model.{key}", f"must be a positive integer up to {MAX_DIM} (got {value!r})")
+        return value
+
+    def opt_int(self, field: str) -> int | None:
+        return None if self.values.get(field) is None else self.int(field)
+
+    def bool(self, field: str, default: bool = False) -> bool:
+        value = self.values.get(field, default)
+        if not isinstance(value, bool):
+            raise InputError(f"model.{self.source_key.get(field, field)}", f"must be true or false (got {value!r})")
+        return value
+
+    def str(self, field: str) -> str:
+        value = self.values.get(field)
+        if not isinstance(value, str) or not value:
+            raise InputError(f"model.{self.source_key.get(field, field)}", f"must be a non-empty string (got {value!r})")
+        return value
+
+    def fraction(self, field: str) -> float:
+        value = self.values.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise InputError(f"model.{self.source_key.get(field, field)}", f"must be a number in (0, 1] (got {value!r})")
+        return float(value)
+
+
+def _divisible(k: _Keys, hidden: int, heads: int) -> None:
+    """LlamaConfig/GPTNeoXConfig.validate_architecture, GPT2Attention, BloomAttention: hidden % heads == 0."""
+    if hidden % heads:
+        key = k.source_key.get("num_attention_heads", k.source_key.get("n_head", "num_attention_heads"))
+        raise InputError(f"model.{key}", f"hidden size ({hidden}) must be divisible by the attention heads ({heads})")
+
+
+def _llama_like(k: _Keys) -> dict:
+    """llama, mistral, qwen2, qwen3, mixtral: RMSNorm, RoPE, gated SiLU MLP (per expert for mixtral)."""
+    hidden, heads = k.int("hidden_size"), k.int("num_attention_heads")
+    if k.family == "llama":
+        _divisible(k, hidden, heads)
+    # head_dim: configured or hidden // heads (LlamaConfig.__post_init__, MistralAttention, Qwen2Attention)
+    head_dim = k.opt_int("head_dim") or hidden // heads
+    if head_dim <= 0:
+        raise InputError("model.num_attention_heads", f"must be at most hidden_size ({hidden}) (got {heads})")
+    kv_heads = k.opt_int("num_key_value_heads") or heads  # __post_init__: None → num_attention_heads
+    attn_bias = {"llama": k.bool("attention_bias"), "qwen3": k.bool("attention_bias"), "qwen2": True}
+    spec = {
+        "hidden_size": hidden, "num_layers": k.int("num_hidden_layers"), "num_heads": heads, "num_kv_heads": kv_heads,
+        "head_dim": head_dim, "intermediate_size": k.int("intermediate_size"), "vocab_size": k.int("vocab_size"),
+        "max_position_embeddings": k.int("max_position_embeddings"),
+        "tie_word_embeddings": k.bool("tie_word_embeddings"), "activation": k.str("hidden_act"),
+        "attention_bias": attn_bias.get(k.family, False),
+        "attention_out_bias": k.family in ("llama", "qwen3") and attn_bias[k.family],
+        "mlp_bias": k.family == "llama" and k.bool("mlp_bias"), "qk_norm": k.family == "qwen3",
+    }
+    if k.family == "mixtral":
+        spec.update(num_experts=k.int("num_local_experts"), num_experts_per_tok=k.int("num_experts_per_tok"))
+    return spec
+
+
+def _gpt2(k: _Keys) -> dict:
+    """GPT2LMHeadModel: learned positions, LayerNorm, Conv1D c_attn/c_proj/c_fc with biases."""
+    hidden, heads = k.int("n_embd"), k.int("n_head")
+    _divisible(k, hidden, heads)
+    if k.bool("add_cross_attention"):
+        raise InputError("model.add_cross_attention", "cross-attention (encoder-decoder) is not supported; allowed: false")
+    return {
+        "hidden_size": hidden, "num_layers": k.int("n_layer"), "num_heads": heads, "num_kv_heads": heads,
+        "head_dim": hidden // heads, "intermediate_size": k.opt_int("n_inner") or 4 * hidden,
+        "vocab_size": k.int("vocab_size"), "max_position_embeddings": k.int("n_positions"),
+        "tie_word_embeddings": k.bool("tie_word_embeddings"), "attention_bias": True, "attention_out_bias": True,
+        "mlp_bias": True, "norm": "layernorm", "gated_mlp": False, "activation": k.str("activation_function"),
+        "position_embedding": "learned",
+    }
+
+
+def _gpt_neox(k: _Keys) -> dict:
+    """GPTNeoXForCausalLM: fused query_key_value, LayerNorm, partial rotary, parallel residual."""
+    hidden, heads = k.int("hidden_size"), k.int("num_attention_heads")
+    _divisible(k, hidden, heads)
+    # GPTNeoXConfig.convert_rope_params_to_dict: rope_scaling, else rope_parameters; its partial_rotary_factor
+    # wins over rotary_pct
+    rope = k.values.get("rope_scaling") or k.values.get("rope_parameters") or {}
+    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        k.values["rotary_pct"] = rope["partial_rotary_factor"]
+    bias = k.bool("attention_bias")
+    return {
+        "hidden_size": hidden, "num_layers": k.int("num_hidden_layers"), "num_heads": heads, "num_kv_heads": heads,
+        "head_dim": hidden // heads, "intermediate_size": k.int("intermediate_size"), "vocab_size": k.int("vocab_size"),
+        "max_position_embeddings": k.int("max_position_embeddings"),
+        "tie_word_embeddings": k.bool("tie_word_embeddings"), "attention_bias": bias, "attention_out_bias": bias,
+        "mlp_bias": True, "norm": "layernorm", "gated_mlp": False, "activation": k.str("hidden_act"),
+        "parallel_residual": k.bool("use_parallel_residual"), "rotary_pct": k.fraction("rotary_pct"),
+    }
+
+
+def _bloom(k: _Keys) -> dict:
+    """BloomForCausalLM: ALiBi, LayerNorm after the embeddings, fused query_key_value, 4·hidden GELU MLP."""
+    hidden, heads = k.int("hidden_size"), k.int("n_head")
+    _divisible(k, hidden, heads)
+    k.values.setdefault("seq_length", BLOOM_DEFAULT_POSITIONS)
+    return {
+        "hidden_size": hidden, "num_layers": k.int("n_layer"), "num_heads": heads, "num_kv_heads": heads,
+        "head_dim": hidden // heads, "intermediate_size": 4 * hidden, "vocab_size": k.int("vocab_size"),
+        "max_position_embeddings": k.int("seq_length"), "tie_word_embeddings": k.bool("tie_word_embeddings"),
+        "attention_bias": True, "attention_out_bias": True, "mlp_bias": True, "norm": "layernorm", "gated_mlp": False,
+        "activation": "bloom_gelu", "position_embedding": "alibi", "embedding_norm": True,
+    }
+
+
+_BUILDERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "bloom": _bloom}
+
+
+def _family(cfg: dict) -> str:
+    """model_type decides; a config without one whose architectures are GPT-2 ones is read as gpt2."""
+    allowed = ", ".join(FAMILIES)
+    model_type = cfg.get("model_type")
+    if model_type is None:
+        archs = cfg.get("architectures")
+        if isinstance(archs, list) and archs and all(isinstance(a, str) and a.startswith("GPT2") for a in archs):
+            return "gpt2"
+        raise InputError("model.model_type", f"missing (and architectures is not GPT2*); allowed: {allowed}")
+    if model_type not in FAMILIES:
+        raise InputError("model.model_type", f"unsupported model type {model_type!r}; allowed: {allowed}")
+    return model_type
+
+
+def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
+    """Build the ModelSpec of a Hugging Face config dict (as json.load gives it), defaults filled as transformers does."""
+    if not isinstance(cfg, dict):
+        raise InputError("model", f"a config.json must hold a JSON object (got {type(cfg).__name__})")
+    family = _family(cfg)
+    keys = _Keys(cfg, family)
+    fields = _BUILDERS.get(family, _llama_like)(keys)
+    try:
+        return ModelSpec(name=name, family=family, source=source, **fields)
+    except ValidationError as err:
+        raise from_pydantic(err, prefix="model.") from None
+
+
+def read_json(path: Path, field: str = "model") -> dict:
+    """Read a JSON object from a file; any failure is an InputError naming the file, on one line."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise InputError(field, f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(field, f"cannot read {path}: {err}".replace("\n", " ")) from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise InputError(field, f"malformed JSON in {path}: {err}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise InputError(field, f"{path} must hold a JSON object (got {type(data).__name__})")
+    return data
+
+
+def load_config_file(path: str | Path) -> ModelSpec:
+    """Read a config.json and build its ModelSpec (named by the file path)."""
+    path = Path(path)
+    cfg = read_json(path)
+    source = cfg.get("_memplan_source") or f"config file {path}"
+    return model_from_config(cfg, name=str(path), source=str(source))

@@ -1,0 +1,169 @@
+"""Every trainable parameter tensor of a model, bottom-up, as transformers builds it.
+
+``parameter_tensors`` lists the tensors in exactly the order ``AutoModelForCausalLM.from_config(cfg)
+.named_parameters()`` yields them in transformers 5.17 (module registration order; a tied lm_head is the
+embedding and is listed once, as named_parameters does). The names and shapes follow each family's
+``modeling_<family>.py``: ``nn.Linear(in, out)`` has weight (out, in) and bias (out,); GPT-2's ``Conv1D(nf, nx)``
+has weight (nx, nf) and bias (nf,); norms have weight (and bias for LayerNorm) of their width.
+Tests compare this with the real module tree on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .specs import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ParamTensor:
+    """One parameter tensor: its Hugging Face name, shape and transformer layer (None outside the layers)."""
+
+    name: str
+    shape: tuple[int, ...]
+    layer: int | None = None
+
+    @property
+    def numel(self) -> int:
+        """Elements in the tensor: the product of its shape."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamCounts:
+    """Parameter counts; total = embedding + num_layers · per_layer + final_norm + lm_head."""
+
+    total_params: int
+    embedding_params: int  # word (+ position) embeddings, BLOOM's embedding LayerNorm
+    per_layer_params: int  # one transformer layer (all layers are alike)
+    final_norm_params: int
+    lm_head_params: int  # 0 when tied to the word embeddings
+    largest_tensor_numel: int
+
+
+def _linear(name: str, out_dim: int, in_dim: int, bias: bool, layer: int | None) -> list[ParamTensor]:
+    """nn.Linear(in_dim, out_dim, bias): weight (out, in), then bias (out,)."""
+    tensors = [ParamTensor(f"{name}.weight", (out_dim, in_dim), layer)]
+    if bias:
+        tensors.append(ParamTensor(f"{name}.bias", (out_dim,), layer))
+    return tensors
+
+
+def _conv1d(name: str, nf: int, nx: int, layer: int | None) -> list[ParamTensor]:
+    """transformers.pytorch_utils.Conv1D(nf, nx): weight (nx, nf), bias (nf,)."""
+    return [ParamTensor(f"{name}.weight", (nx, nf), layer), ParamTensor(f"{name}.bias", (nf,), layer)]
+
+
+def _norm(name: str, width: int, layernorm: bool, layer: int | None) -> list[ParamTensor]:
+    """RMSNorm: weight (width,); nn.LayerNorm: weight and bias (width,)."""
+    tensors = [ParamTensor(f"{name}.weight", (width,), layer)]
+    if layernorm:
+        tensors.append(ParamTensor(f"{name}.bias", (width,), layer))
+    return tensors
+
+
+def _llama_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """LlamaDecoderLayer and its kin (Mistral, Qwen2, Qwen3, Mixtral): self_attn, mlp, two RMSNorms."""
+    p, h = f"model.layers.{i}", m.hidden_size
+    t = _linear(f"{p}.self_attn.q_proj", m.q_dim, h, m.attention_bias, i)
+    t += _linear(f"{p}.self_attn.k_proj", m.kv_dim, h, m.attention_bias, i)
+    t += _linear(f"{p}.self_attn.v_proj", m.kv_dim, h, m.attention_bias, i)
+    t += _linear(f"{p}.self_attn.o_proj", h, m.q_dim, m.attention_out_bias, i)
+    if m.qk_norm:  # Qwen3Attention.q_norm / k_norm: RMSNorm(head_dim)
+        t += _norm(f"{p}.self_attn.q_norm", m.head_dim, False, i)
+        t += _norm(f"{p}.self_attn.k_norm", m.head_dim, False, i)
+    e, ffn = m.num_experts, m.intermediate_size
+    if e:  # MixtralSparseMoeBlock: router weight, then MixtralExperts' packed 3-D parameters
+        t.append(ParamTensor(f"{p}.mlp.gate.weight", (e, h), i))
+        t.append(ParamTensor(f"{p}.mlp.experts.gate_up_proj", (e, 2 * ffn, h), i))
+        t.append(ParamTensor(f"{p}.mlp.experts.down_proj", (e, h, ffn), i))
+    else:
+        t += _linear(f"{p}.mlp.gate_proj", ffn, h, m.mlp_bias, i)
+        t += _linear(f"{p}.mlp.up_proj", ffn, h, m.mlp_bias, i)
+        t += _linear(f"{p}.mlp.down_proj", h, ffn, m.mlp_bias, i)
+    t += _norm(f"{p}.input_layernorm", h, False, i)
+    t += _norm(f"{p}.post_attention_layernorm", h, False, i)
+    return t
+
+
+def _gpt2_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """GPT2Block: ln_1, attn (c_attn, c_proj), ln_2, mlp (c_fc, c_proj)."""
+    p, h = f"transformer.h.{i}", m.hidden_size
+    t = _norm(f"{p}.ln_1", h, True, i)
+    t += _conv1d(f"{p}.attn.c_attn", 3 * h, h, i) + _conv1d(f"{p}.attn.c_proj", h, h, i)
+    t += _norm(f"{p}.ln_2", h, True, i)
+    t += _conv1d(f"{p}.mlp.c_fc", m.intermediate_size, h, i) + _conv1d(f"{p}.mlp.c_proj", h, m.intermediate_size, i)
+    return t
+
+
+def _neox_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """GPTNeoXLayer: both LayerNorms, attention (query_key_value, dense), mlp (dense_h_to_4h, dense_4h_to_h)."""
+    p, h = f"gpt_neox.layers.{i}", m.hidden_size
+    t = _norm(f"{p}.input_layernorm", h, True, i) + _norm(f"{p}.post_attention_layernorm", h, True, i)
+    t += _linear(f"{p}.attention.query_key_value", 3 * h, h, m.attention_bias, i)
+    t += _linear(f"{p}.attention.dense", h, h, m.attention_out_bias, i)
+    t += _linear(f"{p}.mlp.dense_h_to_4h", m.intermediate_size, h, True, i)
+    t += _linear(f"{p}.mlp.dense_4h_to_h", h, m.intermediate_size, True, i)
+    return t
+
+
+def _bloom_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """BloomBlock: input_layernorm, self_attention (query_key_value, dense), post_attention_layernorm, mlp."""
+    p, h = f"transformer.h.{i}", m.hidden_size
+    t = _norm(f"{p}.input_layernorm", h, True, i)
+    t += _linear(f"{p}.self_attention.query_key_value", 3 * h, h, True, i)
+    t += _linear(f"{p}.self_attention.dense", h, h, True, i)
+    t += _norm(f"{p}.post_attention_layernorm", h, True, i)
+    t += _linear(f"{p}.mlp.dense_h_to_4h", m.intermediate_size, h, True, i)
+    t += _linear(f"{p}.mlp.dense_4h_to_h", h, m.intermediate_size, True, i)
+    return t
+
+
+#: family → (embedding tensors' names, layer builder, final norm name); lm_head.weight follows unless tied.
+_LAYOUT = {
+    "gpt2": (("transformer.wte.weight", "transformer.wpe.weight"), _gpt2_layer, "transformer.ln_f"),
+    "gpt_neox": (("gpt_neox.embed_in.weight",), _neox_layer, "gpt_neox.final_layer_norm"),
+    "bloom": (("transformer.word_embeddings.weight",), _bloom_layer, "transformer.ln_f"),
+}
+_LLAMA_LAYOUT = (("model.embed_tokens.weight",), _llama_layer, "model.norm")
+
+
+def _embeddings(m: ModelSpec, names: tuple[str, ...]) -> list[ParamTensor]:
+    """Word embeddings (vocab, hidden); GPT-2's position table (n_positions, hidden); BLOOM's embedding LayerNorm."""
+    t = [ParamTensor(names[0], (m.vocab_size, m.hidden_size))]
+    if m.position_embedding == "learned":
+        t.append(ParamTensor(names[1], (m.max_position_embeddings, m.hidden_size)))
+    if m.embedding_norm:
+        t += _norm("transformer.word_embeddings_layernorm", m.hidden_size, True, None)
+    return t
+
+
+@lru_cache(maxsize=256)
+def parameter_tensors(model: ModelSpec) -> tuple[ParamTensor, ...]:
+    """All trainable tensors of ``model`` in named_parameters() order (tied lm_head once)."""
+    names, layer, final_norm = _LAYOUT.get(model.family, _LLAMA_LAYOUT)
+    tensors = _embeddings(model, names)
+    for i in range(model.num_layers):
+        tensors += layer(model, i)
+    tensors += _norm(final_norm, model.hidden_size, model.norm == "layernorm", None)
+    if not model.tie_word_embeddings:  # *ForCausalLM.lm_head = nn.Linear(hidden, vocab, bias=False)
+        tensors.append(ParamTensor("lm_head.weight", (model.vocab_size, model.hidden_size)))
+    return tuple(tensors)
+
+
+@lru_cache(maxsize=256)
+def count_params(model: ModelSpec) -> ParamCounts:
+    """Parameter counts of ``model``, summed from parameter_tensors."""
+    tensors = parameter_tensors(model)
+    layer0 = sum(t.numel for t in tensors if t.layer == 0)
+    lm_head = sum(t.numel for t in tensors if t.name == "lm_head.weight")
+    first_layer_at = next(i for i, t in enumerate(tensors) if t.layer == 0)
+    embedding = sum(t.numel for t in tensors[:first_layer_at])
+    total = sum(t.numel for t in tensors)
+    final_norm = total - embedding - model.num_layers * layer0 - lm_head
+    return ParamCounts(
+        total_params=total, embedding_params=embedding, per_layer_params=layer0, final_norm_params=final_norm,
+        lm_head_params=lm_head, largest_tensor_numel=max(t.numel for t in tensors),
+    )

@@ -1,0 +1,115 @@
+"""parameter_tensors / count_params: toy cases by hand, and the real module tree on the meta device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memplan.hfconfig import model_from_config
+from memplan.params import count_params, parameter_tensors
+from memplan.presets import PRESETS_DIR, list_presets, load_model
+
+TOY_LLAMA = {
+    "model_type": "llama", "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10,
+}
+
+
+def test_toy_llama_by_hand():
+    # h=8, ffn=12, heads=4 → head_dim=2, kv_heads=2 → kv_dim=4, vocab=10, 2 layers, untied lm_head.
+    # per layer: q 8·8=64, k 4·8=32, v 4·8=32, o 8·8=64 → attention 192
+    #            gate 12·8=96, up 96, down 8·12=96 → mlp 288;  two RMSNorms 2·8=16  → 192+288+16 = 496
+    # embeddings 10·8=80, final norm 8, lm_head 10·8=80 → total 80 + 2·496 + 8 + 80 = 1160
+    counts = count_params(model_from_config(TOY_LLAMA, "toy", "test"))
+    assert counts.per_layer_params == 496
+    assert counts.embedding_params == 80
+    assert counts.final_norm_params == 8
+    assert counts.lm_head_params == 80
+    assert counts.total_params == 1160
+    assert counts.largest_tensor_numel == 96
+
+
+def test_toy_llama_tied_names_and_order():
+    model = model_from_config({**TOY_LLAMA, "num_hidden_layers": 1, "tie_word_embeddings": True}, "toy", "test")
+    names = [t.name for t in parameter_tensors(model)]
+    assert names == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+    ]
+    assert count_params(model).lm_head_params == 0  # tied: lm_head is the embedding, counted once
+
+
+def test_toy_gpt2_by_hand():
+    # h=8, 1 layer, n_inner None → 4h = 32, positions 16, vocab 10, tied lm_head.
+    # layer: ln_1 2·8=16, c_attn 8·24+24=216, c_proj 8·8+8=72, ln_2 16, c_fc 8·32+32=288, c_proj 32·8+8=264 → 872
+    # embeddings: wte 10·8=80 + wpe 16·8=128 = 208; ln_f 16 → total 208 + 872 + 16 = 1096
+    cfg = {"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 16, "vocab_size": 10}
+    counts = count_params(model_from_config(cfg, "toy", "test"))
+    assert (counts.embedding_params, counts.per_layer_params, counts.final_norm_params) == (208, 872, 16)
+    assert (counts.lm_head_params, counts.total_params) == (0, 1096)
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_counts_add_up(name):
+    model = load_model(name)
+    c = count_params(model)
+    assert c.total_params == sum(t.numel for t in parameter_tensors(model))
+    assert c.total_params == (
+        c.embedding_params + model.num_layers * c.per_layer_params + c.final_norm_params + c.lm_head_params
+    )
+    layers = {t.layer for t in parameter_tensors(model)} - {None}
+    assert layers == set(range(model.num_layers))
+
+
+# ---- ground truth: the module tree transformers builds, on the meta device (no memory, no weights) ----
+
+FAMILY_TOYS = {
+    "llama-bias": {**TOY_LLAMA, "attention_bias": True, "mlp_bias": True},
+    "llama-head-dim": {**TOY_LLAMA, "head_dim": 4},
+    "mistral": {**TOY_LLAMA, "model_type": "mistral"},
+    "qwen2": {**TOY_LLAMA, "model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {**TOY_LLAMA, "model_type": "qwen3", "head_dim": 4},
+    "qwen3-bias-default-head": {**TOY_LLAMA, "model_type": "qwen3", "attention_bias": True},
+    "mixtral": {**TOY_LLAMA, "model_type": "mixtral", "num_local_experts": 3, "num_experts_per_tok": 2},
+    "gpt2-inner": {"model_type": "gpt2", "n_embd": 8, "n_layer": 2, "n_head": 2, "n_inner": 20, "vocab_size": 10},
+    "gpt2-untied": {"model_type": "gpt2", "n_embd": 8, "n_layer": 2, "n_head": 2, "tie_word_embeddings": False},
+    "gpt_neox-nobias": {"model_type": "gpt_neox", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+                        "intermediate_size": 20, "vocab_size": 10, "attention_bias": False},
+    "gpt_neox-tied": {"model_type": "gpt_neox", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "intermediate_size": 20, "vocab_size": 10, "tie_word_embeddings": True},
+    "bloom-untied": {"model_type": "bloom", "hidden_size": 8, "n_layer": 2, "n_head": 2, "vocab_size": 10,
+                     "tie_word_embeddings": False},
+}
+
+
+def _meta_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    hf_cfg = {k: v for k, v in cfg.items() if not k.startswith("_memplan")}
+    config = transformers.AutoConfig.for_model(**hf_cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def _ours(model) -> list[tuple[str, tuple[int, ...]]]:
+    return [(t.name, t.shape) for t in parameter_tensors(model)]
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_preset_matches_transformers_on_meta(name):
+    cfg = json.loads((PRESETS_DIR / f"{name}.json").read_text())
+    assert _ours(load_model(name)) == _meta_tensors(cfg)
+
+
+@pytest.mark.parametrize("toy", sorted(FAMILY_TOYS))
+def test_family_toy_matches_transformers_on_meta(toy):
+    cfg = FAMILY_TOYS[toy]
+    assert _ours(model_from_config(cfg, toy, "test")) == _meta_tensors(cfg)
