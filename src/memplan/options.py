@@ -1,0 +1,339 @@
+"""The job flags shared by estimate, verify, check and plan, and how they become a `Job`.
+
+`add_job_arguments(parser)` adds the flags of issue 2; `job_from_args(args)` resolves them:
+
+1. start from the defaults: the seed's scenario (below) without ``--ds-config``; with ``--ds-config``, the
+   file's values, and DeepSpeed's own defaults for what the file leaves out;
+2. explicit flags override both (every flag's argparse default is None, so "given" is knowable);
+3. validate once with the frozen specs; a failure is an InputError naming the flag (or the ds-config key).
+
+The seed's scenario (../shared/seed: 176b_config.json, ds_config_ulysses.json, the article's text): the 176B
+GPT-style model, seq 32768, micro-batch 1, 8 GPUs on one node, ZeRO-3 with the optimizer offloaded to CPU,
+fp16, Ulysses sp 8 (the model config's ``sequence_parallel_size``), and the ds config's ZeRO knobs. So bare
+``memplan estimate`` estimates the seed's scenario.
+
+Imports stay light (argparse and the specs); presets and the ds-config reader are imported when used.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .errors import InputError
+
+#: the seed's model preset and sequence length (176b_config.json, the article's 32K tokens)
+DEFAULT_MODEL = "176b"
+DEFAULT_SEQ = 32768
+#: the seed's launch: 8 GPUs, one node (launch.sh: --num_nodes 1 --num_gpus 8)
+DEFAULT_GPUS = 8
+DEFAULT_GPUS_PER_NODE = 8
+
+#: Job fields of the seed's scenario, used when no --ds-config is given. From ds_config_ulysses.json
+#: (zero_optimization, fp16, train_micro_batch_size_per_gpu) and 176b_config.json (sequence_parallel_size).
+SEED_FIELDS: dict[str, Any] = {
+    "micro_batch": 1,
+    "grad_accum": 1,
+    "dtype": "fp16",
+    "sp": 8,
+    "zero": {
+        "stage": 3,
+        "contiguous_gradients": True,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+        "stage3_prefetch_bucket_size": 500_000_000,
+        "stage3_param_persistence_threshold": 1_000_000,
+        "reduce_bucket_size": 100_000_000,
+        "sub_group_size": 1_000_000_000,
+        "offload_optimizer": "cpu",
+        "pin_memory": True,
+    },
+}
+
+#: where each Job field comes from on the command line (pydantic locations and validator subjects)
+FLAG_OF_FIELD: dict[str, str] = {
+    "seq_len": "--seq", "seq": "--seq", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+    "world": "--gpus", "gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "tp": "--tp", "pp": "--pp",
+    "sp": "--sp", "stage": "--zero", "zero": "--zero", "offload_optimizer": "--offload-optimizer",
+    "offload_param": "--offload-param", "dtype": "--dtype", "checkpointing": "--checkpointing",
+    "attention": "--attention", "optimizer": "--optimizer", "model": "--model",
+}
+
+#: the DeepSpeed config key a Job field is read from, to name it when the file supplied a bad value
+DS_KEY_OF_FIELD: dict[str, str] = {
+    "micro_batch": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps",
+    "dtype": "fp16/bf16", "sp": "sequence_parallel_size", "optimizer": "optimizer.type",
+    "zero": "zero_optimization.stage", "stage": "zero_optimization.stage",
+    "offload_optimizer": "zero_optimization.offload_optimizer.device",
+    "offload_param": "zero_optimization.offload_param.device",
+}
+
+_LAYOUT_FIELDS = ("world", "gpus_per_node", "tp", "pp", "sp")
+_CHOICES = {
+    "zero": (0, 1, 2, 3),
+    "offload": ("none", "cpu", "nvme"),
+    "dtype": ("bf16", "fp16", "fp32"),
+    "checkpointing": ("none", "selective", "full"),
+    "attention": ("flash", "sdpa", "eager"),
+    "optimizer": ("adamw", "torch_adamw", "cpu_adam", "sgd", "lion"),
+}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a message argparse prefixes with the flag)."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive; allowed: a positive integer")
+    return value
+
+
+def _zero_stage(text: str) -> int:
+    """argparse type for --zero: 0, 1, 2 or 3."""
+    if str(text).strip() not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage; allowed: 0, 1, 2, 3")
+    return int(text)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the job flags of issue 2 (defaults None: job_from_args fills the seed's scenario)."""
+    g = parser.add_argument_group("job (defaults: the seed's scenario; see memplan.options)")
+    g.add_argument("--model", metavar="NAME|PATH", help=f"model preset or config.json path (default {DEFAULT_MODEL})")
+    g.add_argument("--seq", type=positive_int, metavar="N", help=f"tokens per sequence (default {DEFAULT_SEQ})")
+    g.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per rank per micro-step (1)")
+    g.add_argument("--grad-accum", type=positive_int, metavar="N", help="micro-steps per optimizer step (1)")
+    g.add_argument("--gpus", type=positive_int, metavar="N", help=f"world size, all ranks (default {DEFAULT_GPUS})")
+    g.add_argument("--gpus-per-node", type=positive_int, metavar="N", help=f"(default {DEFAULT_GPUS_PER_NODE})")
+    g.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel size (1)")
+    g.add_argument("--pp", type=positive_int, metavar="N", help="pipeline-parallel size (1)")
+    g.add_argument("--sp", type=positive_int, metavar="N", help="Ulysses sequence-parallel size (seed: 8)")
+    g.add_argument("--zero", type=_zero_stage, metavar="0|1|2|3", help="ZeRO stage (seed: 3)")
+    g.add_argument("--offload-optimizer", choices=_CHOICES["offload"], help="(seed: cpu)")
+    g.add_argument("--offload-param", choices=_CHOICES["offload"], help="needs ZeRO-3 (seed: none)")
+    g.add_argument("--dtype", choices=_CHOICES["dtype"], help="training dtype (seed: fp16)")
+    g.add_argument("--checkpointing", choices=_CHOICES["checkpointing"], help="activation checkpointing (none)")
+    g.add_argument("--attention", choices=_CHOICES["attention"], help="attention implementation (sdpa)")
+    g.add_argument(
+        "--optimizer", choices=_CHOICES["optimizer"],
+        help="(adamw; becomes cpu_adam under optimizer offload, as DeepSpeed uses DeepSpeedCPUAdam there)",
+    )
+    g.add_argument("--ds-config", metavar="PATH", help="DeepSpeed JSON; its values replace the seed's, flags win")
+
+
+def _explicit_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given on the command line, as Job field names (zero knobs nested under 'zero')."""
+    flat = {
+        "seq_len": getattr(args, "seq", None), "micro_batch": getattr(args, "micro_batch", None),
+        "grad_accum": getattr(args, "grad_accum", None), "world": getattr(args, "gpus", None),
+        "gpus_per_node": getattr(args, "gpus_per_node", None), "tp": getattr(args, "tp", None),
+        "pp": getattr(args, "pp", None), "sp": getattr(args, "sp", None), "dtype": getattr(args, "dtype", None),
+        "checkpointing": getattr(args, "checkpointing", None), "attention": getattr(args, "attention", None),
+        "optimizer": getattr(args, "optimizer", None),
+    }
+    out = {k: v for k, v in flat.items() if v is not None}
+    zero = {
+        "stage": getattr(args, "zero", None), "offload_optimizer": getattr(args, "offload_optimizer", None),
+        "offload_param": getattr(args, "offload_param", None),
+    }
+    zero = {k: v for k, v in zero.items() if v is not None}
+    if zero:
+        out["zero"] = zero
+    return out
+
+
+def _normalize_ds_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """ADAPTER for memplan.dsconfig.apply_to_job_fields: accept its dict flat or nested under
+    'training' / 'layout', with ZeRO knobs under 'zero'; return flat Job fields with 'zero' nested."""
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in ("training", "layout") and isinstance(value, dict):
+            out.update(_normalize_ds_fields(value))
+        elif key == "zero" and isinstance(value, dict):
+            out.setdefault("zero", {}).update(value)
+        elif key == "zero" and value is not None:
+            out.setdefault("zero", {})["stage"] = value
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+def _ds_settings(path: str):
+    """H3's reading of a DeepSpeed JSON (memplan.dsconfig); errors are InputErrors naming --ds-config."""
+    try:
+        from . import dsconfig
+    except ImportError:
+        raise InputError("--ds-config", "reading DeepSpeed configs is not available in this build") from None
+    try:
+        return dsconfig.ds_settings(dsconfig.load_ds_config(path))
+    except InputError as err:
+        raise _relabel(err, "--ds-config") from None
+    except OSError as err:
+        raise InputError("--ds-config", f"cannot read {path!r} ({err.strerror or err}); allowed: a readable JSON file")
+
+
+def _ds_batch(settings, fields: dict[str, Any], source: dict[str, str]) -> None:
+    """Micro-batch and accumulation as DeepSpeed derives them from train_batch_size and dp
+    (DeepSpeedConfig._set_batch_related_parameters), unless both flags were given."""
+    if source.get("micro_batch") == "flag" and source.get("grad_accum") == "flag":
+        return
+    inner = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("sp", 1)
+    if fields["world"] % inner:
+        return  # the layout error is reported by build_job, naming --gpus
+    from .dsconfig import resolve_batch
+
+    try:
+        batch = resolve_batch(settings, fields["world"] // inner)
+    except InputError as err:
+        raise _relabel(err, "--ds-config") from None
+    for key in ("micro_batch", "grad_accum"):
+        if source.get(key) != "flag":
+            fields[key], source[key] = batch[key], "ds"
+
+
+def _relabel(err: InputError, flag: str) -> InputError:
+    """Prefix an InputError's field with the flag that supplied the input (unless it already names it)."""
+    if err.field.startswith(flag):
+        return err
+    if err.field in ("model", "ds_config", "ds-config", "input", ""):
+        return InputError(flag, err.message)
+    return InputError(f"{flag} {err.field}", err.message)
+
+
+def _load_model(name_or_path: str):
+    """The ModelSpec for --model (H1's presets; imported here so estimate stays light)."""
+    try:
+        from .presets import load_model
+    except ImportError:
+        raise InputError("--model", "model presets are not available in this build") from None
+    try:
+        return load_model(name_or_path)
+    except InputError as err:
+        raise _relabel(err, "--model") from None
+    except OSError as err:
+        raise InputError("--model", f"cannot read {name_or_path!r} ({err.strerror or err}); allowed: a preset name "
+                         "or a readable config.json") from None
+
+
+def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    """Job fields after defaults, --ds-config and flags, and where each came from ('flag', 'ds', 'default')."""
+    ds_path = getattr(args, "ds_config", None)
+    settings = _ds_settings(ds_path) if ds_path else None
+    if settings is not None:
+        from .dsconfig import apply_to_job_fields
+
+        base, base_src = _normalize_ds_fields(apply_to_job_fields(settings)), "ds"
+    else:
+        base, base_src = _normalize_ds_fields(SEED_FIELDS), "default"
+    fields: dict[str, Any] = {"seq_len": DEFAULT_SEQ, "world": DEFAULT_GPUS, "gpus_per_node": DEFAULT_GPUS_PER_NODE}
+    source = {k: "default" for k in fields}
+    _merge(fields, source, base, base_src)
+    _merge(fields, source, _explicit_fields(args), "flag")
+    if settings is not None:
+        _ds_batch(settings, fields, source)
+    _resolve_optimizer(fields, source)
+    return fields, source
+
+
+def _merge(fields: dict[str, Any], source: dict[str, str], new: dict[str, Any], label: str) -> None:
+    """Lay ``new`` over ``fields`` (ZeRO knobs merge key by key), recording where each value came from."""
+    for key, value in new.items():
+        if key == "zero":
+            fields.setdefault("zero", {}).update(value)
+            source.update({k: label for k in value})
+        else:
+            fields[key] = value
+            source[key] = label
+
+
+def _resolve_optimizer(fields: dict[str, Any], source: dict[str, str]) -> None:
+    """adamw under optimizer offload is DeepSpeedCPUAdam (engine.get_optimizer_configuration); cpu_adam needs it."""
+    offloaded = fields.get("zero", {}).get("offload_optimizer", "none") in ("cpu", "nvme")
+    optimizer = fields.get("optimizer", "adamw")
+    if offloaded and optimizer == "adamw":
+        fields["optimizer"] = "cpu_adam"
+    elif optimizer == "cpu_adam" and not offloaded:
+        raise _field_error("optimizer", "cpu_adam needs --offload-optimizer cpu or nvme (DeepSpeedCPUAdam runs "
+                           "on the host); allowed without offload: adamw, torch_adamw, sgd, lion", source, fields)
+
+
+def _label(field: str, source: dict[str, str]) -> str:
+    """The name a user knows for a Job field: its flag, or its ds-config key when the file supplied it."""
+    if source.get(field) == "ds" and field in DS_KEY_OF_FIELD:
+        return f"--ds-config {DS_KEY_OF_FIELD[field]}"
+    if field in FLAG_OF_FIELD:
+        return FLAG_OF_FIELD[field]
+    if source.get(field) == "ds":
+        return f"--ds-config zero_optimization.{field}"
+    return field
+
+
+def _field_error(field: str, message: str, source: dict[str, str], fields: dict[str, Any]) -> InputError:
+    """An InputError for ``field``; a divisibility error names the flag the user gave among its operands."""
+    operands = {"world": ("world", "sp", "tp", "pp"), "seq_len": ("seq_len", "sp")}.get(field, ())
+    given = [f for f in operands if source.get(f) == "flag" and (f in ("world", "seq_len") or fields.get(f, 1) > 1)]
+    if given:
+        field = given[0]
+    hint = ""
+    if field in ("sp", "world") and source.get("sp") == "default" and source.get("world") != "default":
+        hint = " (--sp defaults to the seed's 8; pass --sp)"
+    return InputError(_label(field, source), message + hint)
+
+
+#: validator messages of specs.py (no pydantic location) → the Job field they are about
+_SUBJECTS = (
+    ("gpus (", "world"), ("seq (", "seq_len"), ("offload_param needs", "offload_param"),
+    ("offload_optimizer needs", "offload_optimizer"), ("ZeRO stage", "stage"), ("Ulysses sp", "sp"),
+    ("num_layers", "pp"),
+)
+
+
+def _subject(loc: tuple, message: str) -> str:
+    """The Job field a pydantic error is about: its location, else the validator message's subject."""
+    names = [p for p in loc if isinstance(p, str) and p not in ("training", "layout", "zero", "model")]
+    if names:
+        return names[-1]
+    for prefix, field in _SUBJECTS:
+        if message.startswith(prefix):
+            return field
+    if message.startswith(("num_attention_heads", "num_key_value_heads")):
+        return "sp" if "sp" in message else "tp"
+    return "model" if "model" in loc else "input"
+
+
+def build_job(model, fields: dict[str, Any], source: dict[str, str]):
+    """Validate the resolved fields into a frozen Job; a failure names the flag (or ds-config key)."""
+    from pydantic import ValidationError
+
+    from .specs import Job, TrainingSpec
+
+    layout = {k: fields[k] for k in _LAYOUT_FIELDS if k in fields}
+    training = {k: v for k, v in fields.items() if k in TrainingSpec.model_fields}
+    try:
+        return Job(model=model, training=training, layout=layout)
+    except ValidationError as err:
+        first = err.errors()[0]
+        message = first.get("msg", "invalid value").removeprefix("Value error, ").replace("\n", " ")
+        got = first.get("input")
+        if first.get("loc") and got is not None and not isinstance(got, (dict, list)):
+            message = f"{message} (got {got!r})"
+        raise _field_error(_subject(tuple(first.get("loc", ())), message), message, source, fields) from None
+
+
+def job_from_args(args: argparse.Namespace):
+    """The validated Job the flags describe (see the module docstring for the order of precedence)."""
+    fields, source = resolved_fields(args)
+    model = _load_model(getattr(args, "model", None) or DEFAULT_MODEL)
+    return build_job(model, fields, source)
+
+
+def explicit_flags(args: argparse.Namespace) -> list[str]:
+    """The job flags given on the command line (for reports that say what was assumed)."""
+    given = _explicit_fields(args)
+    names = [n for n in given if n != "zero"] + list(given.get("zero", {}))
+    extra = [f for f, dest in (("--model", "model"), ("--ds-config", "ds_config")) if getattr(args, dest, None)]
+    return extra + [FLAG_OF_FIELD.get(n, n) for n in names]
+
+
+__all__ = ["SEED_FIELDS", "add_job_arguments", "build_job", "job_from_args", "positive_int", "resolved_fields"]
