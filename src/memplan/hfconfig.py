@@ -97,11 +97,14 @@ class _Keys:
         self.source_key = {field: key for field, (key, _) in given.items()}
         self.values.update({field: value for field, (_, value) in given.items()})
 
+    def error(self, field: str, message: str) -> InputError:
+        """An InputError naming the key as the config spelled it (e.g. n_embd, or hidden_size for GPT-2)."""
+        return InputError(f"model.{self.source_key.get(field, field)}", message)
+
     def int(self, field: str) -> int:
         value = self.values.get(field)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIM:
-            key = self.source_key.get(field, field)
-            raise InputError(f"model.{key}", f"must be a positive integer up to {MAX_DIM} (got {value!r})")
+            raise self.error(field, f"must be a positive integer up to {MAX_DIM} (got {value!r})")
         return value
 
     def opt_int(self, field: str) -> int | None:
@@ -110,27 +113,27 @@ class _Keys:
     def bool(self, field: str, default: bool = False) -> bool:
         value = self.values.get(field, default)
         if not isinstance(value, bool):
-            raise InputError(f"model.{self.source_key.get(field, field)}", f"must be true or false (got {value!r})")
+            raise self.error(field, f"must be true or false (got {value!r})")
         return value
 
     def str(self, field: str) -> str:
         value = self.values.get(field)
         if not isinstance(value, str) or not value:
-            raise InputError(f"model.{self.source_key.get(field, field)}", f"must be a non-empty string (got {value!r})")
+            raise self.error(field, f"must be a non-empty string (got {value!r})")
         return value
 
     def fraction(self, field: str) -> float:
         value = self.values.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise InputError(f"model.{self.source_key.get(field, field)}", f"must be a number in (0, 1] (got {value!r})")
+            raise self.error(field, f"must be a number in (0, 1] (got {value!r})")
         return float(value)
 
 
 def _divisible(k: _Keys, hidden: int, heads: int) -> None:
     """LlamaConfig/GPTNeoXConfig.validate_architecture, GPT2Attention, BloomAttention: hidden % heads == 0."""
     if hidden % heads:
-        key = k.source_key.get("num_attention_heads", k.source_key.get("n_head", "num_attention_heads"))
-        raise InputError(f"model.{key}", f"hidden size ({hidden}) must be divisible by the attention heads ({heads})")
+        field = "n_head" if k.family in ("gpt2", "bloom") else "num_attention_heads"
+        raise k.error(field, f"hidden size ({hidden}) must be divisible by the attention heads ({heads})")
 
 
 def _llama_like(k: _Keys) -> dict:
@@ -141,8 +144,10 @@ def _llama_like(k: _Keys) -> dict:
     # head_dim: configured or hidden // heads (LlamaConfig.__post_init__, MistralAttention, Qwen2Attention)
     head_dim = k.opt_int("head_dim") or hidden // heads
     if head_dim <= 0:
-        raise InputError("model.num_attention_heads", f"must be at most hidden_size ({hidden}) (got {heads})")
+        raise k.error("num_attention_heads", f"must be at most hidden_size ({hidden}) (got {heads})")
     kv_heads = k.opt_int("num_key_value_heads") or heads  # __post_init__: None → num_attention_heads
+    if heads % kv_heads:  # repeat_kv needs whole groups of query heads per key/value head
+        raise k.error("num_key_value_heads", f"must divide num_attention_heads ({heads}) (got {kv_heads})")
     attn_bias = {"llama": k.bool("attention_bias"), "qwen3": k.bool("attention_bias"), "qwen2": True}
     spec = {
         "hidden_size": hidden, "num_layers": k.int("num_hidden_layers"), "num_heads": heads, "num_kv_heads": kv_heads,
@@ -154,7 +159,10 @@ def _llama_like(k: _Keys) -> dict:
         "mlp_bias": k.family == "llama" and k.bool("mlp_bias"), "qk_norm": k.family == "qwen3",
     }
     if k.family == "mixtral":
-        spec.update(num_experts=k.int("num_local_experts"), num_experts_per_tok=k.int("num_experts_per_tok"))
+        experts, top_k = k.int("num_local_experts"), k.int("num_experts_per_tok")
+        if top_k > experts:
+            raise k.error("num_experts_per_tok", f"must be at most num_local_experts ({experts}) (got {top_k})")
+        spec.update(num_experts=experts, num_experts_per_tok=top_k)
     return spec
 
 
@@ -163,7 +171,7 @@ def _gpt2(k: _Keys) -> dict:
     hidden, heads = k.int("n_embd"), k.int("n_head")
     _divisible(k, hidden, heads)
     if k.bool("add_cross_attention"):
-        raise InputError("model.add_cross_attention", "cross-attention (encoder-decoder) is not supported; allowed: false")
+        raise k.error("add_cross_attention", "cross-attention (encoder-decoder) is not supported; allowed: false")
     return {
         "hidden_size": hidden, "num_layers": k.int("n_layer"), "num_heads": heads, "num_kv_heads": heads,
         "head_dim": hidden // heads, "intermediate_size": k.opt_int("n_inner") or 4 * hidden,
@@ -226,7 +234,7 @@ def _family(cfg: dict) -> str:
 
 
 def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
-    """Build the ModelSpec of a Hugging Face config dict (as json.load gives it), defaults filled as transformers does."""
+    """The ModelSpec of a Hugging Face config dict (as json.load gives it), missing keys as transformers fills them."""
     if not isinstance(cfg, dict):
         raise InputError("model", f"a config.json must hold a JSON object (got {type(cfg).__name__})")
     family = _family(cfg)

@@ -1,0 +1,198 @@
+"""hfconfig: transformers' defaults for missing keys, the seed's GPT2Model config, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.errors import InputError
+from memplan.hfconfig import FAMILIES, load_config_file, model_from_config
+from memplan.params import parameter_tensors
+from memplan.presets import load_model
+
+SEED_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "seed-176b" / "176b_config.json"
+SMALL = {"hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 10}
+
+
+def _hf_config(cfg: dict):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoConfig.for_model(**cfg)
+
+
+def test_hand_defaults_llama():
+    # LlamaConfig: kv heads None → heads; head_dim None → hidden/heads = 8/4 = 2; untied; 2048 positions
+    m = model_from_config({"model_type": "llama", **SMALL}, "toy", "test")
+    assert (m.num_kv_heads, m.head_dim, m.tie_word_embeddings, m.max_position_embeddings) == (4, 2, False, 2048)
+
+
+def test_hand_defaults_qwen3_head_dim_128_and_qwen2_qkv_bias():
+    # (both default num_key_value_heads to 32, not to the heads: give it)
+    assert model_from_config({"model_type": "qwen3", **SMALL, "num_key_value_heads": 2}, "t", "t").head_dim == 128
+    qwen2 = model_from_config({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2}, "t", "t")
+    assert (qwen2.attention_bias, qwen2.attention_out_bias) == (True, False)
+
+
+def test_hand_defaults_gpt2_inner_is_4h_and_tied():
+    m = model_from_config({"model_type": "gpt2", "n_embd": 8, "n_head": 2}, "t", "t")
+    assert (m.intermediate_size, m.num_layers, m.max_position_embeddings, m.tie_word_embeddings) == (32, 12, 1024, True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_defaults_equal_transformers(family):
+    """A config holding only model_type gets exactly the sizes transformers' config class fills in."""
+    ours = model_from_config({"model_type": family}, family, "test")
+    hf = _hf_config({"model_type": family})
+    heads = hf.num_attention_heads
+    assert ours.hidden_size == hf.hidden_size
+    assert ours.num_layers == hf.num_hidden_layers
+    assert ours.num_heads == heads
+    assert ours.num_kv_heads == (getattr(hf, "num_key_value_heads", None) or heads)
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+    assert ours.vocab_size == hf.vocab_size
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+    if family == "gpt2":
+        assert ours.intermediate_size == (hf.n_inner or 4 * hf.hidden_size)
+    elif family == "bloom":
+        assert ours.intermediate_size == 4 * hf.hidden_size
+    else:
+        assert ours.intermediate_size == hf.intermediate_size
+    if family != "bloom":
+        assert ours.max_position_embeddings == hf.max_position_embeddings
+    if family == "gpt_neox":
+        assert ours.rotary_pct == hf.rope_parameters["partial_rotary_factor"]
+        assert ours.parallel_residual == hf.use_parallel_residual
+    if family == "mixtral":
+        assert (ours.num_experts, ours.num_experts_per_tok) == (hf.num_local_experts, hf.num_experts_per_tok)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"model_type": "gpt_neox", "rotary_pct": 0.5},
+        {"model_type": "gpt_neox", "rotary_pct": 0.5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                           "partial_rotary_factor": 0.3}},
+        {"model_type": "gpt_neox", "use_parallel_residual": False},
+    ],
+)
+def test_gpt_neox_rotary_and_residual_as_transformers(cfg):
+    ours, hf = model_from_config(cfg, "t", "t"), _hf_config(cfg)
+    assert ours.rotary_pct == hf.rope_parameters["partial_rotary_factor"]
+    assert ours.parallel_residual == hf.use_parallel_residual
+
+
+def test_bloom_n_embed_and_gpt2_generic_keys_as_transformers():
+    bloom = {"model_type": "bloom", "n_embed": 32, "n_layer": 3, "num_attention_heads": 4}
+    assert model_from_config(bloom, "t", "t").hidden_size == _hf_config(bloom).hidden_size == 32
+    gpt2 = {"model_type": "gpt2", "hidden_size": 12, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "max_position_embeddings": 77}
+    ours, hf = model_from_config(gpt2, "t", "t"), _hf_config(gpt2)
+    assert (ours.hidden_size, ours.num_layers, ours.num_heads, ours.max_position_embeddings) == (
+        hf.n_embd, hf.n_layer, hf.n_head, hf.n_positions)
+
+
+def test_seed_config_is_the_176b_preset():
+    # The seed file says architectures GPT2Model, no model_type, generic keys, no n_inner → gpt2 with 4h MLP.
+    seed = load_config_file(SEED_CONFIG)
+    preset = load_model("176b")
+    assert seed.family == "gpt2" and seed.intermediate_size == 4 * 12288
+    assert parameter_tensors(seed) == parameter_tensors(preset)
+
+
+def test_seed_config_matches_gpt2config_on_meta():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = json.loads(SEED_CONFIG.read_text())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(**cfg))
+    theirs = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert [(t.name, t.shape) for t in parameter_tensors(load_config_file(SEED_CONFIG))] == theirs
+
+
+# ---- bad input: one InputError naming the config key ----
+
+@pytest.mark.parametrize(
+    ("cfg", "field"),
+    [
+        ({"model_type": "t5"}, "model.model_type"),
+        ({"hidden_size": 8}, "model.model_type"),
+        ({"architectures": ["LlamaForCausalLM"]}, "model.model_type"),
+        ({"model_type": "llama", "hidden_size": 0}, "model.hidden_size"),
+        ({"model_type": "llama", "hidden_size": -4096}, "model.hidden_size"),
+        ({"model_type": "llama", "hidden_size": 4096.0}, "model.hidden_size"),
+        ({"model_type": "llama", "num_hidden_layers": True}, "model.num_hidden_layers"),
+        ({"model_type": "llama", "vocab_size": "32000"}, "model.vocab_size"),
+        ({"model_type": "llama", "intermediate_size": 2**40}, "model.intermediate_size"),
+        ({"model_type": "llama", "tie_word_embeddings": "yes"}, "model.tie_word_embeddings"),
+        ({"model_type": "llama", "num_attention_heads": 3}, "model.num_attention_heads"),
+        ({"model_type": "gpt2", "n_head": 0}, "model.n_head"),
+        ({"model_type": "gpt2", "num_attention_heads": 5}, "model.num_attention_heads"),
+        ({"model_type": "gpt2", "n_embd": 768, "hidden_size": 1024}, "model.hidden_size"),
+        ({"model_type": "gpt2", "add_cross_attention": True}, "model.add_cross_attention"),
+        ({"model_type": "bloom", "n_layer": -1}, "model.n_layer"),
+        ({"model_type": "gpt_neox", "rotary_pct": 1.5}, "model.rotary_pct"),
+        ({"model_type": "mixtral", "num_local_experts": 0}, "model.num_local_experts"),
+        ({"model_type": "mixtral", "num_experts": 2, "num_experts_per_tok": 3}, "model.num_experts_per_tok"),
+    ],
+)
+def test_bad_config_names_the_key(cfg, field):
+    with pytest.raises(InputError) as err:
+        model_from_config(cfg, "bad", "test")
+    assert err.value.field == field
+    assert "\n" not in str(err.value)
+
+
+def test_gqa_must_divide_heads():
+    with pytest.raises(InputError) as err:
+        model_from_config({"model_type": "llama", **SMALL, "num_key_value_heads": 3}, "bad", "test")
+    assert err.value.field == "model.num_key_value_heads"
+    with pytest.raises(InputError) as err:  # Qwen2Config defaults num_key_value_heads to 32, which 4 heads can't use
+        model_from_config({"model_type": "qwen2", **SMALL}, "bad", "test")
+    assert err.value.field == "model.num_key_value_heads"
+
+
+def test_unknown_model_type_lists_allowed():
+    with pytest.raises(InputError, match="allowed: llama, mistral, qwen2"):
+        model_from_config({"model_type": "falcon"}, "bad", "test")
+
+
+@pytest.mark.parametrize("text", ["{", "[1, 2]", "", "\"llama\"", "{\"model_type\": \"llama\",}", "[" * 100_000])
+def test_malformed_json_file_is_one_line_naming_the_file(tmp_path, text):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(InputError) as err:
+        load_config_file(path)
+    assert err.value.field == "model" and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_and_binary_files(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        load_config_file(tmp_path / "nope.json")
+    path = tmp_path / "bin.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(InputError):
+        load_config_file(path)
+
+
+_junk = st.one_of(st.none(), st.booleans(), st.integers(-10, 0), st.floats(allow_nan=True), st.text(max_size=5),
+                  st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(family=st.sampled_from(FAMILIES), key=st.sampled_from(
+    ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size", "n_embd",
+     "n_layer", "n_head", "n_positions", "max_position_embeddings", "num_local_experts", "tie_word_embeddings"]),
+    value=_junk)
+def test_junk_values_never_escape_as_other_errors(family, key, value):
+    try:
+        spec = model_from_config({"model_type": family, key: value}, "junk", "test")
+    except InputError as err:
+        assert "\n" not in str(err)
+    else:  # a junk value can only be accepted where the family ignores the key (or None means "default")
+        assert spec.family == family
