@@ -1,0 +1,215 @@
+"""The `memplan` command: estimate here; verify, check, plan, calibrate and report imported when asked for.
+
+Every failure is exit code 2 and one line on stderr, ``memplan: error: <field>: <what is allowed>``; never a
+traceback, never a read from stdin. Every command's help is its docstring. Imports stay lazy so that
+``memplan estimate`` starts fast and never imports torch, deepspeed or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+PROG = "memplan"
+
+#: commands implemented in memplan.<name>.command (add_arguments(parser), run(args) -> int), imported lazily
+LAZY_COMMANDS = ("verify", "check", "plan", "calibrate", "report")
+COMMANDS = ("estimate", *LAZY_COMMANDS)
+
+
+class UsageError(Exception):
+    """A command-line error: ``field`` (a flag or 'command') and what is allowed."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse without usage dumps: an error raises UsageError, which main prints as one line."""
+
+    def error(self, message: str):
+        raise _usage_error(message)
+
+
+def _usage_error(message: str) -> UsageError:
+    """argparse's message as (field, what is allowed)."""
+    message = " ".join(str(message).split())
+    if message.startswith("argument "):
+        field, _, rest = message[len("argument "):].partition(": ")
+        field = field.split("/")[-1]
+        if field in ("command", "{" + ",".join(COMMANDS) + "}"):
+            field, rest = "command", rest + f"; allowed: {', '.join(COMMANDS)}"
+        return UsageError(field, rest)
+    if message.startswith("unrecognized arguments: "):
+        first = message[len("unrecognized arguments: "):].split(" ")[0]
+        what = "unknown option" if first.startswith("-") else "unexpected argument"
+        return UsageError(first, f"{what}; see memplan <command> --help for the allowed flags")
+    if message.startswith("the following arguments are required: "):
+        return UsageError(message.split(": ", 1)[1].split(",")[0], "required")
+    return UsageError("command line", message)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Predict the per-GPU memory of a DeepSpeed training job before launching it.
+
+    Prints the breakdown at the peak (GiB and share of the peak), the phase that sets the peak, peak
+    allocated / reserved / device total, host RAM and NVMe per node for offload, and a verdict against
+    --target and --gpu. With no flags it estimates the seed's scenario: the 176B GPT-style model, seq 32768,
+    8 GPUs, ZeRO-3 with the optimizer offloaded to CPU, fp16, Ulysses sp 8. --json prints one JSON object.
+    """
+    from .api import estimate
+    from .options import job_from_args
+
+    job = job_from_args(args)
+    target = _target_bytes(args.target)
+    gpu = None
+    if args.gpu is not None:
+        from .gpus import resolve_gpu
+
+        gpu = resolve_gpu(args.gpu)
+    est = estimate(job, target_bytes=target, gpu_name=gpu and gpu.name, gpu_bytes=gpu and gpu.memory_bytes)
+    from . import render
+
+    if args.json:
+        render.write_json(est, sys.stdout)
+    else:
+        render.render_estimate(est)
+    return 0
+
+
+def _target_bytes(text: str | None) -> int | None:
+    """--target SIZE: a size with a unit (a bare number would silently mean bytes)."""
+    if text is None:
+        return None
+    from .errors import InputError
+    from .units import parse_size_bytes
+
+    allowed = "allowed: a positive size with a unit, such as 24GiB or 80GB"
+    if not any(c.isalpha() for c in text):
+        raise InputError("--target", f"{text!r} has no unit; {allowed}")
+    try:
+        return parse_size_bytes(text)
+    except (ValueError, OverflowError):
+        raise InputError("--target", f"{text!r} is not a size; {allowed}") from None
+
+
+def _add_estimate(sub) -> None:
+    from .options import add_job_arguments
+
+    doc = cmd_estimate.__doc__
+    p = sub.add_parser("estimate", help=doc.splitlines()[0], description=doc, allow_abbrev=False,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_job_arguments(p)
+    p.add_argument("--gpu", metavar="NAME|SIZE", help="a100-40g, a100-80g, h100-80g, h200, b200, or a size (80GiB)")
+    p.add_argument("--target", metavar="SIZE", help="per-GPU budget to check against, e.g. 24GiB")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=cmd_estimate)
+
+
+def command_module(name: str):
+    """memplan.<name>.command, or None when this build does not have it."""
+    try:
+        module = importlib.import_module(f"memplan.{name}.command")
+    except ImportError:
+        return None
+    return module if hasattr(module, "add_arguments") and hasattr(module, "run") else None
+
+
+def command_doc(module) -> str:
+    """A lazy command's help: its module docstring, else its run() docstring ('' when neither exists)."""
+    return (module.__doc__ or getattr(module.run, "__doc__", None) or "").strip()
+
+
+def _add_lazy(sub, name: str, module) -> None:
+    doc = command_doc(module)
+    p = sub.add_parser(name, help=doc.splitlines()[0] if doc else "", description=doc, allow_abbrev=False,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s own module is imported (all of them when command is None, for --help)."""
+    from . import __version__
+
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"memplan {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name in COMMANDS:
+        if command is not None and name != command:
+            continue
+        if name == "estimate":
+            _add_estimate(sub)
+            continue
+        module = command_module(name)
+        if module is not None:
+            _add_lazy(sub, name, module)
+        elif command is None:
+            sub.add_parser(name, help="(not available in this build)")
+    return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named in argv (its first non-option word), if any."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word
+    return None
+
+
+def _dispatch(argv: list[str]) -> int:
+    command = _command_of(argv)
+    if command is None:
+        if any(w in ("-h", "--help", "--version") for w in argv):
+            build_parser().parse_args(argv)
+        raise UsageError("command", f"missing; allowed: {', '.join(COMMANDS)}")
+    if command not in COMMANDS:
+        raise UsageError("command", f"unknown command {command!r}; allowed: {', '.join(COMMANDS)}")
+    if command in LAZY_COMMANDS and command_module(command) is None:
+        raise UsageError(command, "not available in this build")
+    args = build_parser(command).parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _error_line(exc: BaseException) -> str:
+    """One line for any failure main catches."""
+    from .errors import InputError
+
+    if isinstance(exc, (UsageError, InputError)):
+        return f"{exc.field}: {exc.message}"
+    if isinstance(exc, OSError):
+        name = exc.filename if exc.filename is not None else "file"
+        return f"{name}: cannot read ({exc.strerror or exc}); allowed: a readable file"
+    if isinstance(exc, UnicodeError):
+        return f"input: not UTF-8 text ({exc}); allowed: a UTF-8 JSON file"
+    if isinstance(exc, RecursionError):
+        return "input: nested too deeply; allowed: an ordinary JSON object"
+    if type(exc).__name__ == "ValidationError":
+        from .errors import from_pydantic
+
+        err = from_pydantic(exc)
+        return f"{err.field}: {err.message}"
+    if type(exc).__name__ == "JSONDecodeError":
+        return f"input: invalid JSON ({exc}); allowed: a JSON object"
+    return f"internal: {type(exc).__name__}: {exc} (a memplan bug; please report it)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the memplan command line; returns the exit code (2 and one stderr line on any error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: error: interrupted\n")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every other failure: one line, exit 2, never a traceback
+        line = " ".join(_error_line(exc).split())
+        sys.stderr.write(f"{PROG}: error: {line}\n")
+        return 2
+
+if __name__ == "__main__":
+    sys.exit(main())
