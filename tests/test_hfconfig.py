@@ -69,6 +69,33 @@ def test_defaults_equal_transformers(family):
         assert ours.parallel_residual == hf.use_parallel_residual
     if family == "mixtral":
         assert (ours.num_experts, ours.num_experts_per_tok) == (hf.num_local_experts, hf.num_experts_per_tok)
+    _assert_dropouts_as_transformers(ours, hf)
+
+
+def _assert_dropouts_as_transformers(ours, hf):
+    """The probabilities the modules' Dropout layers / dropout= arguments get from the config."""
+    if ours.family == "gpt2":
+        assert (ours.hidden_dropout, ours.attention_dropout, ours.embedding_dropout) == (
+            hf.resid_pdrop, hf.attn_pdrop, hf.embd_pdrop)
+    elif ours.family in ("gpt_neox", "bloom"):
+        embedding = hf.hidden_dropout if ours.family == "gpt_neox" else 0.0
+        assert (ours.hidden_dropout, ours.attention_dropout, ours.embedding_dropout) == (
+            hf.hidden_dropout, hf.attention_dropout, embedding)
+    else:
+        assert (ours.hidden_dropout, ours.attention_dropout, ours.embedding_dropout) == (0.0, hf.attention_dropout, 0.0)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"model_type": "gpt2", "resid_pdrop": 0.2, "attn_pdrop": 0.0, "embd_pdrop": 0.3},
+        {"model_type": "gpt_neox", "hidden_dropout": 0.2, "attention_dropout": 0.1},
+        {"model_type": "bloom", "hidden_dropout": 0.2, "attention_dropout": 0.1},
+        {"model_type": "llama", "attention_dropout": 0.1},
+    ],
+)
+def test_dropouts_as_transformers(cfg):
+    _assert_dropouts_as_transformers(model_from_config(cfg, "t", "t"), _hf_config(cfg))
 
 
 @pytest.mark.parametrize(
@@ -138,6 +165,8 @@ def test_seed_config_matches_gpt2config_on_meta():
         ({"model_type": "bloom", "n_layer": -1}, "model.n_layer"),
         ({"model_type": "gpt_neox", "rotary_pct": 1.5}, "model.rotary_pct"),
         ({"model_type": "mixtral", "num_local_experts": 0}, "model.num_local_experts"),
+        ({"model_type": "gpt2", "attn_pdrop": 1.0}, "model.attn_pdrop"),
+        ({"model_type": "llama", "attention_dropout": -0.1}, "model.attention_dropout"),
         ({"model_type": "mixtral", "num_experts": 2, "num_experts_per_tok": 3}, "model.num_experts_per_tok"),
     ],
 )

@@ -37,7 +37,10 @@ _ALIASES: dict[str, dict[str, str]] = {
 }
 
 #: dataclass defaults of each config class in transformers 5.17 (fields that shape parameters or memory).
-_LLAMA_LIKE = {"hidden_act": "silu", "tie_word_embeddings": False, "num_key_value_heads": None, "head_dim": None}
+_LLAMA_LIKE = {
+    "hidden_act": "silu", "tie_word_embeddings": False, "num_key_value_heads": None, "head_dim": None,
+    "attention_dropout": 0.0,
+}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {  # LlamaConfig
         **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -67,14 +70,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": {  # GPT2Config (n_inner None → 4·n_embd in GPT2Block)
         "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
         "activation_function": "gelu_new", "tie_word_embeddings": True, "add_cross_attention": False,
+        "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
     },
     "gpt_neox": {  # GPTNeoXConfig (rotary_pct → rope_parameters.partial_rotary_factor, default 0.25)
         "vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
         "intermediate_size": 24576, "hidden_act": "gelu", "max_position_embeddings": 2048,
         "tie_word_embeddings": False, "use_parallel_residual": True, "attention_bias": True, "rotary_pct": 0.25,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0,
     },
     "bloom": {  # BloomConfig (MLP is 4·hidden in BloomMLP; ALiBi, no position table)
         "vocab_size": 250880, "hidden_size": 64, "n_layer": 2, "n_head": 8, "tie_word_embeddings": True,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0,
     },
 }
 
@@ -122,6 +128,13 @@ class _Keys:
             raise self.error(field, f"must be a non-empty string (got {value!r})")
         return value
 
+    def prob(self, field: str) -> float:
+        """A dropout probability in [0, 1)."""
+        value = self.values.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise self.error(field, f"must be a probability in [0, 1) (got {value!r})")
+        return float(value)
+
     def fraction(self, field: str) -> float:
         value = self.values.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
@@ -157,6 +170,7 @@ def _llama_like(k: _Keys) -> dict:
         "attention_bias": attn_bias.get(k.family, False),
         "attention_out_bias": k.family in ("llama", "qwen3") and attn_bias[k.family],
         "mlp_bias": k.family == "llama" and k.bool("mlp_bias"), "qk_norm": k.family == "qwen3",
+        "attention_dropout": k.prob("attention_dropout"),  # *Attention: dropout on the probabilities only
     }
     if k.family == "mixtral":
         experts, top_k = k.int("num_local_experts"), k.int("num_experts_per_tok")
@@ -179,6 +193,9 @@ def _gpt2(k: _Keys) -> dict:
         "tie_word_embeddings": k.bool("tie_word_embeddings"), "attention_bias": True, "attention_out_bias": True,
         "mlp_bias": True, "norm": "layernorm", "gated_mlp": False, "activation": k.str("activation_function"),
         "position_embedding": "learned",
+        # GPT2Attention.resid_dropout, GPT2MLP.dropout; attn_dropout; GPT2Model.drop after wte + wpe
+        "hidden_dropout": k.prob("resid_pdrop"), "attention_dropout": k.prob("attn_pdrop"),
+        "embedding_dropout": k.prob("embd_pdrop"),
     }
 
 
@@ -199,6 +216,9 @@ def _gpt_neox(k: _Keys) -> dict:
         "tie_word_embeddings": k.bool("tie_word_embeddings"), "attention_bias": bias, "attention_out_bias": bias,
         "mlp_bias": True, "norm": "layernorm", "gated_mlp": False, "activation": k.str("hidden_act"),
         "parallel_residual": k.bool("use_parallel_residual"), "rotary_pct": k.fraction("rotary_pct"),
+        # GPTNeoXLayer.post_attention_dropout / post_mlp_dropout and GPTNeoXModel.emb_dropout use hidden_dropout
+        "hidden_dropout": k.prob("hidden_dropout"), "attention_dropout": k.prob("attention_dropout"),
+        "embedding_dropout": k.prob("hidden_dropout"),
     }
 
 
@@ -213,6 +233,8 @@ def _bloom(k: _Keys) -> dict:
         "max_position_embeddings": k.int("seq_length"), "tie_word_embeddings": k.bool("tie_word_embeddings"),
         "attention_bias": True, "attention_out_bias": True, "mlp_bias": True, "norm": "layernorm", "gated_mlp": False,
         "activation": "bloom_gelu", "position_embedding": "alibi", "embedding_norm": True,
+        # dropout_add after attention and MLP; BloomAttention.attention_dropout; no dropout after the embeddings
+        "hidden_dropout": k.prob("hidden_dropout"), "attention_dropout": k.prob("attention_dropout"),
     }
 
 
