@@ -103,7 +103,7 @@ def _key(text: str) -> str:
 
 
 def gpu_names() -> list[str]:
-    """The preset names, in the order listed (smallest memory first)."""
+    """The preset names, oldest GPU first."""
     return [g.name for g in GPU_PRESETS]
 
 
