@@ -1,0 +1,73 @@
+"""What one rank holds of the model under tp / pp, resolved once per job (parameters and layers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..params import parameter_tensors
+from ..specs import Job, ModelSpec
+
+#: Megatron-style tensor parallelism shards these per-layer matrices (Shoeybi et al. 2019, §3): column-
+#: parallel q/k/v, gate/up (fc_in), row-parallel o/down (fc_out); norms and row-parallel biases stay whole.
+_TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn", "c_fc",
+               "query_key_value", "dense_h_to_4h", "dense_4h_to_h", "attn.c_proj", "mlp.c_proj",
+               "attention.dense", "self_attention.dense", "experts", "embed_tokens", "wte", "word_embeddings",
+               "embed_in", "lm_head", "embed_out")
+
+
+@dataclass(frozen=True, slots=True)
+class RankShare:
+    """Parameters of the most loaded rank's replica, in elements."""
+
+    params: int  # P: all parameters this rank's replica holds
+    per_layer: int  # one transformer layer's parameters on this rank
+    layers: int  # transformer layers on this rank (num_layers / pp, the first stage rounded up)
+    head: int  # lm_head (or the tied embedding) on this rank
+    largest: int  # L: largest parameter tensor on this rank
+    zero3_partition: int  # Σ ceil(numel / N) over this rank's parameters (ZeRO-3 pads each param)
+    zero3_persistent: int  # numel of params at or under stage3_param_persistence_threshold
+    embedding: int  # word / position embeddings on this rank
+
+
+def _sharded(name: str) -> bool:
+    return any(key in name for key in _TP_SHARDED) and not (name.endswith(".bias") and (
+        "o_proj" in name or "down_proj" in name or "c_proj" in name or "dense" in name and "h_to_4h" not in name))
+
+
+@lru_cache(maxsize=1024)
+def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int) -> RankShare:
+    tensors = parameter_tensors(model)
+    layers_here = -(-model.num_layers // pp)
+    numels = []
+    per_layer = head = embedding = 0
+    for t in tensors:
+        if t.layer is not None and t.layer >= layers_here:
+            continue  # a later pipeline stage's layer
+        numel = t.numel // tp if tp > 1 and _sharded(t.name) else t.numel
+        if pp > 1 and t.layer is None and "lm_head" not in t.name and not t.name.endswith(("wte.weight",
+                "embed_tokens.weight", "word_embeddings.weight", "embed_in.weight", "wpe.weight")):
+            continue  # final norm lives on the last stage; the first stage is the most loaded
+        if pp > 1 and "lm_head" in t.name:
+            continue
+        numels.append(numel)
+        if t.layer == 0:
+            per_layer += numel
+        elif t.layer is None and t.name.endswith(("wte.weight", "embed_tokens.weight", "word_embeddings.weight",
+                                                  "embed_in.weight", "wpe.weight")):
+            embedding += numel
+        if "lm_head" in t.name or "embed_out" in t.name:
+            head += numel
+    if not head:  # tied: lm_head is the word embedding
+        head = next(t.numel for t in tensors) // (max(1, tp))
+    return RankShare(
+        params=sum(numels), per_layer=per_layer, layers=layers_here, head=head, largest=max(numels),
+        zero3_partition=sum(-(-x // n) for x in numels),
+        zero3_persistent=sum(x for x in numels if x <= persist), embedding=embedding,
+    )
+
+
+def rank_share(job: Job) -> RankShare:
+    """The most loaded rank's share: under pp the first stage (embeddings and the most activations)."""
+    lay, z = job.layout, job.training.zero
+    return _share(job.model, lay.tp, lay.pp, lay.zero_group, z.stage3_param_persistence_threshold)

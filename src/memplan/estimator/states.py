@@ -1,0 +1,134 @@
+"""Model states on one rank under DeepSpeed 0.19.8: parameters, master weights, optimizer states, gradients.
+
+Symbols: P parameters this rank's model replica holds (after tp / pp), N the ZeRO partition group (dp·sp),
+b bytes of the 16-bit (or fp32) training dtype, g bytes of the gradient-accumulation dtype, c bytes of the
+communication dtype (fp32 under Ulysses by default), B_r reduce_bucket_size (elements), L the largest
+parameter's numel. Sources are DeepSpeed files under deepspeed/runtime/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..units import round_up
+
+#: ZeRO-1/2 pad the flat 16-bit buffer to nccl_start_alignment_factor (2) × N elements
+#: (stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__: alignment = nccl_start_alignment_factor * world)
+NCCL_START_ALIGNMENT_FACTOR = 2
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerKind:
+    """Bytes of state per (master) parameter element an optimizer keeps, and where it runs."""
+
+    states_per_param: int  # how many state tensors of the master dtype
+    fused: bool  # one multi-tensor kernel (no per-step temporaries)
+
+
+#: adamw: FusedAdam, exp_avg + exp_avg_sq (ops/adam/fused_adam.py); torch_adamw: torch.optim.AdamW
+#: (foreach: temporaries of the size of a parameter group, see step_transient); cpu_adam: DeepSpeedCPUAdam
+#: (states on the host); sgd: torch SGD without momentum keeps none; lion: exp_avg only.
+OPTIMIZERS = {
+    "adamw": OptimizerKind(2, True),
+    "torch_adamw": OptimizerKind(2, False),
+    "cpu_adam": OptimizerKind(2, True),
+    "sgd": OptimizerKind(0, True),
+    "lion": OptimizerKind(1, True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class States:
+    """Persistent and phase-dependent model-state bytes on the GPU, and host / NVMe bytes per rank."""
+
+    params_16bit: int  # flat 16-bit params (stage 0-2) or 16-bit partitions (stage 3)
+    params_persistent: int  # ZeRO-3 params kept gathered (numel <= persistence threshold)
+    master_fp32: int  # fp32 master copy on the GPU
+    optimizer_states: int  # optimizer states on the GPU (after the first step)
+    grads_resident: int  # gradient bytes alive between backward and step on the GPU
+    grads_accumulating_per_param: float  # stage 0/1: grads grow with backward (bytes per param numel)
+    grad_bucket: int  # IPG bucket(s) alive during backward
+    step_transient: int  # extra bytes at the optimizer step's peak
+    offload_staging: int  # GPU staging buffers for offload
+    host_bytes: int  # pinned host RAM for this rank
+    nvme_bytes: int  # NVMe bytes for this rank
+
+
+def _master_bytes(train_bytes: int) -> int:
+    """fp32 master weights exist when training in 16 bits (mixed precision, Micikevicius et al. 2018)."""
+    return 4 if train_bytes < 4 else 0
+
+
+def stage0(p: int, b: int, optimizer: str) -> States:
+    """No ZeRO. bf16/fp16: runtime/fp16/fused_optimizer.py FP16_Optimizer (DDP_BFLOAT16 for bf16):
+    flat 16-bit params, fp32 flat master, optimizer states on the master; grads are param.grad (b·P);
+    step() flattens [g.to(fp32)] → per-param fp32 copies (4P) plus the flat fp32 grad (4P), then frees
+    the 16-bit grads. fp32 training: the plain torch optimizer, states of 4 bytes."""
+    opt = OPTIMIZERS[optimizer]
+    master = _master_bytes(b) * p
+    state_bytes = (4 if master else b) * opt.states_per_param * p
+    transient = 8 * p if master else 0
+    return States(b * p, 0, master, state_bytes, b * p, float(b), 0, transient, 0, 0, 0)
+
+
+def stage12(stage: int, p: int, n: int, b: int, g: int, c: int, bucket: int, overlap: bool,
+            largest: int, optimizer: str, offload: str) -> States:
+    """ZeRO-1/2: runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.
+
+    - bit16_groups_flat: b·P padded to 2N elements; fp32 partition 4·P/N; optimizer states on it.
+    - stage 2: grads of the owned partition (g·P/N, grads_in_partition) plus the IPG bucket B_r·c
+      (×2 with overlap_comm) during backward; stage 1: full 16-bit grads accumulate (b·P).
+    - step: flatten of the grad partition (b·P/N) and its fp32 cast (4·P/N) while grads still live.
+    - offload_optimizer: master, fp32 grads and optimizer states on the host; a b·L GPU staging buffer
+      (temp_grad_buffer_for_gpu_offload) and the bucket stay.
+    """
+    opt = OPTIMIZERS[optimizer]
+    p_pad = round_up(p, NCCL_START_ALIGNMENT_FACTOR * n)
+    part = p_pad // n
+    buckets = bucket * c * (2 if overlap else 1)
+    if stage == 1:
+        grads, per_param, grad_bucket = b * p_pad, float(b), buckets
+    else:
+        grads, per_param, grad_bucket = g * part, 0.0, buckets
+    master = 4 * part
+    states = 4 * opt.states_per_param * part
+    transient = b * part + 4 * part
+    if offload == "none":
+        return States(b * p_pad, 0, master, states, grads, per_param, grad_bucket, transient, 0, 0, 0)
+    host = master + states + 4 * part + b * part + b * largest  # + fp32 grads, bit16 buffer, pinned grad temp
+    nvme = master + states if offload == "nvme" else 0
+    return States(b * p_pad, 0, 0, 0, 0 if stage == 2 else grads, per_param, grad_bucket, 0,
+                  b * largest, host - nvme, nvme)
+
+
+def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, optimizer: str,
+           offload_optimizer: str, offload_param: str, sub_group: int) -> States:
+    """ZeRO-3: runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3.
+
+    - 16-bit partitions b·P₃/N (each parameter padded to a multiple of N), persistent params gathered.
+    - fp32 master 4·P₃/N and optimizer states; grad partitions g·P₃/N (grad_partitions_flat_buffer);
+      the IPG bucket B_r·c (__ipg_bucket_flat_buffer, not doubled).
+    - step per sub-group: flatten of its 16-bit grads and an fp32 copy (b + 4 per partition element of the
+      largest sub-group, sub_group_size elements at most).
+    - offload_optimizer: master, fp32 grads and states on the host; offload_param: 16-bit partitions too.
+    """
+    opt = OPTIMIZERS[optimizer]
+    master = 4 * p3_part
+    states = 4 * opt.states_per_param * p3_part
+    grads = g * p3_part
+    step = (b + 4) * min(p3_part, sub_group)
+    params = 0 if offload_param != "none" else b * p3_part
+    host = nvme = 0
+    if offload_optimizer != "none":
+        host += master + states + 4 * p3_part
+        master = states = 0
+        step = 0
+        if offload_optimizer == "nvme":
+            nvme += 4 * p3_part + 4 * opt.states_per_param * p3_part
+            host -= nvme
+    if offload_param != "none":
+        if offload_param == "nvme":
+            nvme += b * p3_part
+        else:
+            host += b * p3_part
+    return States(params, persistent, master, states, grads, 0.0, bucket * c, step, 0, host, nvme)
