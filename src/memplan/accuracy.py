@@ -1,0 +1,72 @@
+"""The measured accuracy matrix: verify rows under benchmarks/accuracy/ held against the estimator.
+
+Each row is one `memplan verify` report (JSON lines, one object a line) with the Job, the environment,
+the exact command and the measured peaks. A row measured at reduced depth (``layers``) is compared at
+each depth it was measured at, with the model cut to that many layers.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from .specs import Job
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One measured job against its estimate."""
+
+    name: str
+    measured_bytes: int
+    predicted_bytes: int
+    measured_phase: Optional[str]
+    predicted_phase: str
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the prediction: (predicted − measured) / measured."""
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def iter_rows(folder: Path) -> Iterator[dict]:
+    """Every row of every rows*.jsonl file under ``folder``, in file order."""
+    for path in sorted(folder.glob("rows*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, Optional[str]]]:
+    job = Job.model_validate(row["job"])
+    layers = row.get("layers")
+    if layers and layers.get("measured"):
+        for m in layers["measured"]:
+            cut = job.model.model_copy(update={"num_layers": m["num_layers"]})
+            yield (f"{row['name']}@{m['num_layers']}L", job.model_copy(update={"model": cut}),
+                   m["peak_allocated_bytes"], m.get("peak_phase"))
+    else:
+        yield row["name"], job, row["peak_allocated_bytes"], row.get("peak_phase")
+
+
+def compare_rows(rows) -> list[Comparison]:
+    """Estimate every successfully measured point of ``rows``."""
+    from .estimator import quick_peak
+
+    out = []
+    for row in rows:
+        if row.get("status") != "ok":
+            continue
+        for name, job, measured, phase in _measured_points(row):
+            q = quick_peak(job)
+            out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase))
+    return out
+
+
+def summary(comparisons: list[Comparison]) -> tuple[float, float]:
+    """(median |error|, worst |error|)."""
+    errs = [abs(c.error) for c in comparisons]
+    return statistics.median(errs), max(errs)
