@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 PROG = "memplan"
@@ -41,6 +42,11 @@ def _usage_error(message: str) -> UsageError:
         field = field.split("/")[-1]
         if field in ("command", "{" + ",".join(COMMANDS) + "}"):
             field, rest = "command", rest + f"; allowed: {', '.join(COMMANDS)}"
+        choice = re.match(r"invalid choice: (.*) \(choose from (.*)\)$", rest)
+        if choice:
+            rest = f"invalid choice {choice.group(1)}; allowed: {choice.group(2).replace(chr(39), '')}"
+        if rest == "expected one argument":
+            rest = "needs a value; see --help for what is allowed"
         return UsageError(field, rest)
     if message.startswith("unrecognized arguments: "):
         first = message[len("unrecognized arguments: "):].split(" ")[0]
@@ -169,7 +175,10 @@ def _dispatch(argv: list[str]) -> int:
         raise UsageError("command", f"unknown command {command!r}; allowed: {', '.join(COMMANDS)}")
     if command in LAZY_COMMANDS and command_module(command) is None:
         raise UsageError(command, "not available in this build")
-    args = build_parser(command).parse_args(argv)
+    try:
+        args = build_parser(command).parse_args(argv)
+    except UsageError as err:
+        raise UsageError(err.field, err.message.replace("memplan <command>", f"memplan {command}")) from None
     return int(args.func(args) or 0)
 
 

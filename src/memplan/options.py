@@ -198,7 +198,7 @@ def _relabel(err: InputError, flag: str) -> InputError:
         return err
     if err.field in ("model", "ds_config", "ds-config", "input", ""):
         return InputError(flag, err.message)
-    return InputError(f"{flag} {err.field}", err.message)
+    return InputError(f"{flag} {err.field.removeprefix('model.')}", err.message)
 
 
 def _load_model(name_or_path: str):
