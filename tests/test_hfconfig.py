@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.errors import InputError
-from memplan.hfconfig import FAMILIES, load_config_file, model_from_config
+from memplan.hfconfig import FAMILIES, load_config_file, model_from_config, transformers_config
 from memplan.params import parameter_tensors
 from memplan.presets import load_model
 
@@ -129,6 +129,13 @@ def test_seed_config_is_the_176b_preset():
     preset = load_model("176b")
     assert seed.family == "gpt2" and seed.intermediate_size == 4 * 12288
     assert parameter_tensors(seed) == parameter_tensors(preset)
+
+
+def test_transformers_config_of_the_seed():
+    keys = transformers_config(json.loads(SEED_CONFIG.read_text()))
+    assert keys["model_type"] == "gpt2"
+    hf = _hf_config(keys)
+    assert (hf.n_embd, hf.n_layer, hf.n_head, hf.n_positions, hf.n_inner) == (12288, 96, 96, 32768, None)
 
 
 def test_seed_config_matches_gpt2config_on_meta():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from memplan.hfconfig import model_from_config
 from memplan.params import count_params, parameter_tensors
@@ -43,6 +45,34 @@ def test_toy_llama_tied_names_and_order():
         "model.norm.weight",
     ]
     assert count_params(model).lm_head_params == 0  # tied: lm_head is the embedding, counted once
+
+
+def test_toy_llama_roles():
+    model = model_from_config({**TOY_LLAMA, "num_hidden_layers": 1}, "toy", "test")
+    roles = [t.role for t in parameter_tensors(model)]
+    assert roles == ["embedding", "attn_in", "attn_in", "attn_in", "attn_out", "mlp_in", "mlp_in", "mlp_out",
+                     "norm", "norm", "norm", "lm_head"]
+
+
+_ROLE_OF_NAME = {  # the module names each role stands for, across the eight families
+    "attn_in": ("q_proj", "k_proj", "v_proj", "c_attn", "query_key_value"),
+    "attn_out": ("o_proj", "attn.c_proj", "attention.dense", "self_attention.dense"),
+    "mlp_in": ("gate_proj", "up_proj", "c_fc", "dense_h_to_4h", "experts.gate_up_proj"),
+    "mlp_out": ("down_proj", "mlp.c_proj", "dense_4h_to_h", "experts.down_proj"),
+    "router": ("mlp.gate.weight",),
+    "norm": ("norm", "ln_"),
+    "embedding": ("embed_tokens", "wte", "word_embeddings.weight", "embed_in"),
+    "position": ("wpe",),
+    "lm_head": ("lm_head",),
+}
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_roles_agree_with_names(name):
+    for t in parameter_tensors(load_model(name)):
+        assert any(part in t.name for part in _ROLE_OF_NAME[t.role]), (t.name, t.role)
+        outside = ("embedding", "position", "lm_head")
+        assert t.role in (*outside, "norm") if t.layer is None else t.role not in outside
 
 
 def test_toy_gpt2_by_hand():
@@ -113,3 +143,39 @@ def test_preset_matches_transformers_on_meta(name):
 def test_family_toy_matches_transformers_on_meta(toy):
     cfg = FAMILY_TOYS[toy]
     assert _ours(model_from_config(cfg, toy, "test")) == _meta_tensors(cfg)
+
+
+# ---- property: any small config of any family builds exactly the tensors we list ----
+
+def _random_config(draw) -> dict:
+    family = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "mixtral", "gpt2", "gpt_neox", "bloom"]))
+    heads = draw(st.sampled_from([1, 2, 4]))
+    kv = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))
+    hidden = heads * draw(st.sampled_from([2, 4]))
+    cfg = {"model_type": family, "vocab_size": draw(st.integers(3, 17)), "tie_word_embeddings": draw(st.booleans())}
+    layers, ffn = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    if family == "gpt2":
+        return {**cfg, "n_embd": hidden, "n_head": heads, "n_layer": layers, "n_positions": draw(st.integers(1, 9)),
+                "n_inner": draw(st.sampled_from([None, ffn]))}
+    if family == "bloom":
+        return {**cfg, "hidden_size": hidden, "n_head": heads, "n_layer": layers}
+    cfg.update(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers, intermediate_size=ffn)
+    if family == "gpt_neox":
+        return {**cfg, "attention_bias": draw(st.booleans())}
+    cfg.update(num_key_value_heads=kv)
+    if family in ("qwen3", "llama", "mistral") and draw(st.booleans()):
+        cfg["head_dim"] = draw(st.sampled_from([2, 6]))
+    if family in ("llama", "qwen3"):
+        cfg["attention_bias"] = draw(st.booleans())
+    if family == "llama":
+        cfg["mlp_bias"] = draw(st.booleans())
+    if family == "mixtral":
+        experts = draw(st.integers(1, 4))
+        cfg.update(num_local_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)))
+    return cfg
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=st.composite(_random_config)())
+def test_random_small_configs_match_transformers_on_meta(cfg):
+    assert _ours(model_from_config(cfg, "random", "hypothesis")) == _meta_tensors(cfg)

@@ -20,6 +20,9 @@ from .specs import ModelSpec
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral")
 
+#: largest JSON file read (real config.json files are a few KiB)
+MAX_JSON_BYTES = 16 * 2**20
+
 #: largest size accepted for any dimension (a guard against hostile input, far above any real model)
 MAX_DIM = 2**32
 
@@ -88,6 +91,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 BLOOM_DEFAULT_POSITIONS = 2048
 
 
+def _show(value: Any) -> str:
+    """A config value for an error message: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class _Keys:
     """Reads one family's config keys: aliases resolved, transformers' defaults filled, values checked."""
 
@@ -98,7 +107,8 @@ class _Keys:
         for key, value in cfg.items():
             field = _ALIASES.get(family, {}).get(key, key)
             if field in given and given[field][1] != value:
-                raise InputError(f"model.{key}", f"conflicts with {given[field][0]} ({given[field][1]!r} vs {value!r})")
+                other, before = given[field]
+                raise InputError(f"model.{key}", f"conflicts with {other} ({_show(before)} vs {_show(value)})")
             given[field] = (key, value)
         self.source_key = {field: key for field, (key, _) in given.items()}
         self.values.update({field: value for field, (_, value) in given.items()})
@@ -110,7 +120,7 @@ class _Keys:
     def int(self, field: str) -> int:
         value = self.values.get(field)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIM:
-            raise self.error(field, f"must be a positive integer up to {MAX_DIM} (got {value!r})")
+            raise self.error(field, f"must be a positive integer up to {MAX_DIM} (got {_show(value)})")
         return value
 
     def opt_int(self, field: str) -> int | None:
@@ -119,26 +129,26 @@ class _Keys:
     def bool(self, field: str, default: bool = False) -> bool:
         value = self.values.get(field, default)
         if not isinstance(value, bool):
-            raise self.error(field, f"must be true or false (got {value!r})")
+            raise self.error(field, f"must be true or false (got {_show(value)})")
         return value
 
     def str(self, field: str) -> str:
         value = self.values.get(field)
         if not isinstance(value, str) or not value:
-            raise self.error(field, f"must be a non-empty string (got {value!r})")
+            raise self.error(field, f"must be a non-empty string (got {_show(value)})")
         return value
 
     def prob(self, field: str) -> float:
         """A dropout probability in [0, 1)."""
         value = self.values.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise self.error(field, f"must be a probability in [0, 1) (got {value!r})")
+            raise self.error(field, f"must be a probability in [0, 1) (got {_show(value)})")
         return float(value)
 
     def fraction(self, field: str) -> float:
         value = self.values.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise self.error(field, f"must be a number in (0, 1] (got {value!r})")
+            raise self.error(field, f"must be a number in (0, 1] (got {_show(value)})")
         return float(value)
 
 
@@ -268,19 +278,34 @@ def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
         raise from_pydantic(err, prefix="model.") from None
 
 
+def transformers_config(cfg: dict) -> dict:
+    """The keys to hand to ``AutoConfig.for_model(**keys)``: model_type filled as memplan resolved it (the seed's
+    GPT2Model config has none), memplan's own ``_memplan_*`` keys dropped."""
+    keys = {k: v for k, v in cfg.items() if not k.startswith("_memplan")}
+    keys["model_type"] = _family(cfg)
+    return keys
+
+
 def read_json(path: Path, field: str = "model") -> dict:
     """Read a JSON object from a file; any failure is an InputError naming the file, on one line."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(path))  # one line, always
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
-        raise InputError(field, f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(field, f"cannot read {path}: {err}".replace("\n", " ")) from None
+        raise InputError(field, f"no such file: {shown}") from None
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        raise InputError(field, f"cannot read {shown}: {err}".replace("\n", " ")) from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise InputError(field, f"{shown} is larger than {MAX_JSON_BYTES} bytes; a config.json is a few KiB")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise InputError(field, f"{shown} is not UTF-8 text: {err}".replace("\n", " ")) from None
     except (json.JSONDecodeError, RecursionError) as err:
-        raise InputError(field, f"malformed JSON in {path}: {err}".replace("\n", " ")) from None
+        raise InputError(field, f"malformed JSON in {shown}: {err}".replace("\n", " ")) from None
     if not isinstance(data, dict):
-        raise InputError(field, f"{path} must hold a JSON object (got {type(data).__name__})")
+        raise InputError(field, f"{shown} must hold a JSON object (got {type(data).__name__})")
     return data
 
 

@@ -13,17 +13,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from .specs import ModelSpec
+
+#: what a tensor does, so callers need not parse names. Megatron-style TP (Shoeybi et al. 2019, §3) splits
+#: attn_in / mlp_in column-wise (weight and bias) and attn_out / mlp_out row-wise (weight only; bias whole).
+Role = Literal["embedding", "position", "norm", "attn_in", "attn_out", "mlp_in", "mlp_out", "router", "lm_head"]
 
 
 @dataclass(frozen=True, slots=True)
 class ParamTensor:
-    """One parameter tensor: its Hugging Face name, shape and transformer layer (None outside the layers)."""
+    """One parameter tensor: its Hugging Face name, shape, transformer layer (None outside the layers), role."""
 
     name: str
     shape: tuple[int, ...]
     layer: int | None = None
+    role: Role = "norm"
+
+    @property
+    def is_bias(self) -> bool:
+        """A bias vector (name ends in .bias)."""
+        return self.name.endswith(".bias")
 
     @property
     def numel(self) -> int:
@@ -43,46 +54,46 @@ class ParamCounts:
     largest_tensor_numel: int
 
 
-def _linear(name: str, out_dim: int, in_dim: int, bias: bool, layer: int | None) -> list[ParamTensor]:
+def _linear(name: str, out_dim: int, in_dim: int, bias: bool, layer: int, role: Role) -> list[ParamTensor]:
     """nn.Linear(in_dim, out_dim, bias): weight (out, in), then bias (out,)."""
-    tensors = [ParamTensor(f"{name}.weight", (out_dim, in_dim), layer)]
+    tensors = [ParamTensor(f"{name}.weight", (out_dim, in_dim), layer, role)]
     if bias:
-        tensors.append(ParamTensor(f"{name}.bias", (out_dim,), layer))
+        tensors.append(ParamTensor(f"{name}.bias", (out_dim,), layer, role))
     return tensors
 
 
-def _conv1d(name: str, nf: int, nx: int, layer: int | None) -> list[ParamTensor]:
+def _conv1d(name: str, nf: int, nx: int, layer: int, role: Role) -> list[ParamTensor]:
     """transformers.pytorch_utils.Conv1D(nf, nx): weight (nx, nf), bias (nf,)."""
-    return [ParamTensor(f"{name}.weight", (nx, nf), layer), ParamTensor(f"{name}.bias", (nf,), layer)]
+    return [ParamTensor(f"{name}.weight", (nx, nf), layer, role), ParamTensor(f"{name}.bias", (nf,), layer, role)]
 
 
 def _norm(name: str, width: int, layernorm: bool, layer: int | None) -> list[ParamTensor]:
     """RMSNorm: weight (width,); nn.LayerNorm: weight and bias (width,)."""
-    tensors = [ParamTensor(f"{name}.weight", (width,), layer)]
+    tensors = [ParamTensor(f"{name}.weight", (width,), layer, "norm")]
     if layernorm:
-        tensors.append(ParamTensor(f"{name}.bias", (width,), layer))
+        tensors.append(ParamTensor(f"{name}.bias", (width,), layer, "norm"))
     return tensors
 
 
 def _llama_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
     """LlamaDecoderLayer and its kin (Mistral, Qwen2, Qwen3, Mixtral): self_attn, mlp, two RMSNorms."""
     p, h = f"model.layers.{i}", m.hidden_size
-    t = _linear(f"{p}.self_attn.q_proj", m.q_dim, h, m.attention_bias, i)
-    t += _linear(f"{p}.self_attn.k_proj", m.kv_dim, h, m.attention_bias, i)
-    t += _linear(f"{p}.self_attn.v_proj", m.kv_dim, h, m.attention_bias, i)
-    t += _linear(f"{p}.self_attn.o_proj", h, m.q_dim, m.attention_out_bias, i)
+    t = _linear(f"{p}.self_attn.q_proj", m.q_dim, h, m.attention_bias, i, "attn_in")
+    t += _linear(f"{p}.self_attn.k_proj", m.kv_dim, h, m.attention_bias, i, "attn_in")
+    t += _linear(f"{p}.self_attn.v_proj", m.kv_dim, h, m.attention_bias, i, "attn_in")
+    t += _linear(f"{p}.self_attn.o_proj", h, m.q_dim, m.attention_out_bias, i, "attn_out")
     if m.qk_norm:  # Qwen3Attention.q_norm / k_norm: RMSNorm(head_dim)
         t += _norm(f"{p}.self_attn.q_norm", m.head_dim, False, i)
         t += _norm(f"{p}.self_attn.k_norm", m.head_dim, False, i)
     e, ffn = m.num_experts, m.intermediate_size
     if e:  # MixtralSparseMoeBlock: router weight, then MixtralExperts' packed 3-D parameters
-        t.append(ParamTensor(f"{p}.mlp.gate.weight", (e, h), i))
-        t.append(ParamTensor(f"{p}.mlp.experts.gate_up_proj", (e, 2 * ffn, h), i))
-        t.append(ParamTensor(f"{p}.mlp.experts.down_proj", (e, h, ffn), i))
+        t.append(ParamTensor(f"{p}.mlp.gate.weight", (e, h), i, "router"))
+        t.append(ParamTensor(f"{p}.mlp.experts.gate_up_proj", (e, 2 * ffn, h), i, "mlp_in"))
+        t.append(ParamTensor(f"{p}.mlp.experts.down_proj", (e, h, ffn), i, "mlp_out"))
     else:
-        t += _linear(f"{p}.mlp.gate_proj", ffn, h, m.mlp_bias, i)
-        t += _linear(f"{p}.mlp.up_proj", ffn, h, m.mlp_bias, i)
-        t += _linear(f"{p}.mlp.down_proj", h, ffn, m.mlp_bias, i)
+        t += _linear(f"{p}.mlp.gate_proj", ffn, h, m.mlp_bias, i, "mlp_in")
+        t += _linear(f"{p}.mlp.up_proj", ffn, h, m.mlp_bias, i, "mlp_in")
+        t += _linear(f"{p}.mlp.down_proj", h, ffn, m.mlp_bias, i, "mlp_out")
     t += _norm(f"{p}.input_layernorm", h, False, i)
     t += _norm(f"{p}.post_attention_layernorm", h, False, i)
     return t
@@ -92,9 +103,10 @@ def _gpt2_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
     """GPT2Block: ln_1, attn (c_attn, c_proj), ln_2, mlp (c_fc, c_proj)."""
     p, h = f"transformer.h.{i}", m.hidden_size
     t = _norm(f"{p}.ln_1", h, True, i)
-    t += _conv1d(f"{p}.attn.c_attn", 3 * h, h, i) + _conv1d(f"{p}.attn.c_proj", h, h, i)
+    t += _conv1d(f"{p}.attn.c_attn", 3 * h, h, i, "attn_in") + _conv1d(f"{p}.attn.c_proj", h, h, i, "attn_out")
     t += _norm(f"{p}.ln_2", h, True, i)
-    t += _conv1d(f"{p}.mlp.c_fc", m.intermediate_size, h, i) + _conv1d(f"{p}.mlp.c_proj", h, m.intermediate_size, i)
+    t += _conv1d(f"{p}.mlp.c_fc", m.intermediate_size, h, i, "mlp_in")
+    t += _conv1d(f"{p}.mlp.c_proj", h, m.intermediate_size, i, "mlp_out")
     return t
 
 
@@ -102,10 +114,10 @@ def _neox_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
     """GPTNeoXLayer: both LayerNorms, attention (query_key_value, dense), mlp (dense_h_to_4h, dense_4h_to_h)."""
     p, h = f"gpt_neox.layers.{i}", m.hidden_size
     t = _norm(f"{p}.input_layernorm", h, True, i) + _norm(f"{p}.post_attention_layernorm", h, True, i)
-    t += _linear(f"{p}.attention.query_key_value", 3 * h, h, m.attention_bias, i)
-    t += _linear(f"{p}.attention.dense", h, h, m.attention_out_bias, i)
-    t += _linear(f"{p}.mlp.dense_h_to_4h", m.intermediate_size, h, True, i)
-    t += _linear(f"{p}.mlp.dense_4h_to_h", h, m.intermediate_size, True, i)
+    t += _linear(f"{p}.attention.query_key_value", 3 * h, h, m.attention_bias, i, "attn_in")
+    t += _linear(f"{p}.attention.dense", h, h, m.attention_out_bias, i, "attn_out")
+    t += _linear(f"{p}.mlp.dense_h_to_4h", m.intermediate_size, h, True, i, "mlp_in")
+    t += _linear(f"{p}.mlp.dense_4h_to_h", h, m.intermediate_size, True, i, "mlp_out")
     return t
 
 
@@ -113,11 +125,11 @@ def _bloom_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
     """BloomBlock: input_layernorm, self_attention (query_key_value, dense), post_attention_layernorm, mlp."""
     p, h = f"transformer.h.{i}", m.hidden_size
     t = _norm(f"{p}.input_layernorm", h, True, i)
-    t += _linear(f"{p}.self_attention.query_key_value", 3 * h, h, True, i)
-    t += _linear(f"{p}.self_attention.dense", h, h, True, i)
+    t += _linear(f"{p}.self_attention.query_key_value", 3 * h, h, True, i, "attn_in")
+    t += _linear(f"{p}.self_attention.dense", h, h, True, i, "attn_out")
     t += _norm(f"{p}.post_attention_layernorm", h, True, i)
-    t += _linear(f"{p}.mlp.dense_h_to_4h", m.intermediate_size, h, True, i)
-    t += _linear(f"{p}.mlp.dense_4h_to_h", h, m.intermediate_size, True, i)
+    t += _linear(f"{p}.mlp.dense_h_to_4h", m.intermediate_size, h, True, i, "mlp_in")
+    t += _linear(f"{p}.mlp.dense_4h_to_h", h, m.intermediate_size, True, i, "mlp_out")
     return t
 
 
@@ -132,9 +144,9 @@ _LLAMA_LAYOUT = (("model.embed_tokens.weight",), _llama_layer, "model.norm")
 
 def _embeddings(m: ModelSpec, names: tuple[str, ...]) -> list[ParamTensor]:
     """Word embeddings (vocab, hidden); GPT-2's position table (n_positions, hidden); BLOOM's embedding LayerNorm."""
-    t = [ParamTensor(names[0], (m.vocab_size, m.hidden_size))]
+    t = [ParamTensor(names[0], (m.vocab_size, m.hidden_size), None, "embedding")]
     if m.position_embedding == "learned":
-        t.append(ParamTensor(names[1], (m.max_position_embeddings, m.hidden_size)))
+        t.append(ParamTensor(names[1], (m.max_position_embeddings, m.hidden_size), None, "position"))
     if m.embedding_norm:
         t += _norm("transformer.word_embeddings_layernorm", m.hidden_size, True, None)
     return t
@@ -149,7 +161,7 @@ def parameter_tensors(model: ModelSpec) -> tuple[ParamTensor, ...]:
         tensors += layer(model, i)
     tensors += _norm(final_norm, model.hidden_size, model.norm == "layernorm", None)
     if not model.tie_word_embeddings:  # *ForCausalLM.lm_head = nn.Linear(hidden, vocab, bias=False)
-        tensors.append(ParamTensor("lm_head.weight", (model.vocab_size, model.hidden_size)))
+        tensors.append(ParamTensor("lm_head.weight", (model.vocab_size, model.hidden_size), None, "lm_head"))
     return tuple(tensors)
 
 
@@ -158,7 +170,7 @@ def count_params(model: ModelSpec) -> ParamCounts:
     """Parameter counts of ``model``, summed from parameter_tensors."""
     tensors = parameter_tensors(model)
     layer0 = sum(t.numel for t in tensors if t.layer == 0)
-    lm_head = sum(t.numel for t in tensors if t.name == "lm_head.weight")
+    lm_head = sum(t.numel for t in tensors if t.role == "lm_head")
     first_layer_at = next(i for i, t in enumerate(tensors) if t.layer == 0)
     embedding = sum(t.numel for t in tensors[:first_layer_at])
     total = sum(t.numel for t in tensors)

@@ -18,15 +18,25 @@ from .specs import ModelSpec
 PRESETS_DIR = Path(__file__).resolve().parent / "models"
 
 
+@lru_cache(maxsize=1)
+def _preset_names() -> tuple[str, ...]:
+    if not PRESETS_DIR.is_dir():
+        return ()
+    return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+
+
 def list_presets() -> list[str]:
     """Names of the shipped presets (file stems of models/*.json), sorted."""
-    if not PRESETS_DIR.is_dir():
-        return []
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+    return list(_preset_names())
 
 
 def _looks_like_path(name: str) -> bool:
-    return name.endswith(".json") or "/" in name or "\\" in name or Path(name).is_file()
+    if name.endswith(".json") or "/" in name or "\\" in name:
+        return True
+    try:
+        return Path(name).is_file()
+    except (OSError, ValueError):  # too long, NUL byte: not a file, so an unknown preset
+        return False
 
 
 @lru_cache(maxsize=64)
@@ -40,11 +50,12 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise InputError("model", "must be a preset name or a path to a config.json")
     name = name_or_path.strip()
-    if name in list_presets():
+    if name in _preset_names():
         return _load_preset(name)
     if _looks_like_path(name):
         path = Path(name).expanduser()
         cfg = read_json(path)
         return model_from_config(cfg, name=name, source=str(cfg.get("_memplan_source", f"config file {path}")))
-    presets = ", ".join(list_presets())
-    raise InputError("model", f"unknown preset {name!r}; presets: {presets} or a path to a config.json")
+    presets = ", ".join(_preset_names())
+    shown = name if len(name) <= 60 else name[:57] + "..."
+    raise InputError("model", f"unknown preset {shown!r}; presets: {presets} or a path to a config.json")
