@@ -1,0 +1,144 @@
+"""Rules on the DeepSpeed JSON alone (DeepSpeed 0.19.8: runtime/config.py, runtime/zero/config.py, engine.py)."""
+
+from __future__ import annotations
+
+import difflib
+
+from ..dsconfig import DsSettings, ds_settings
+from ..errors import InputError
+from .findings import Finding, error, info, warning
+from .tables import tables
+
+#: DEEPSPEED_OPTIMIZERS (runtime/config.py): names DeepSpeed builds itself (matched lower-cased).
+DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+
+_NOT_DEEPSPEED = {
+    "sequence_parallel": "DeepSpeed has no 'sequence_parallel' key: Ulysses is switched on by the sequence-parallel "
+                         "process group (Megatron-DeepSpeed --ds-sequence-parallel-size, or an mpu passed to "
+                         "deepspeed.initialize), not by the config",
+}
+
+
+def _close(word: str, options) -> str:
+    hits = difflib.get_close_matches(word, list(options), n=1, cutoff=0.75)
+    return f"did you mean '{hits[0]}'?" if hits else ""
+
+
+def removed_keys(cfg: dict) -> list[Finding]:
+    """_reject_removed_config_keys (runtime/config.py) raises DeepSpeedConfigError for these."""
+    t = tables()
+    out = [error(k, f"DeepSpeed {t['deepspeed_version']} refuses it: {msg}", f"remove '{k}'")
+           for k, msg in t["ds_removed_top_level"].items() if k in cfg]
+    zero = cfg.get("zero_optimization")
+    if isinstance(zero, dict):
+        out += [error(f"zero_optimization.{k}", f"DeepSpeed refuses it: {msg}", f"remove '{k}'")
+                for k, msg in t["ds_removed_zero"].items() if k in zero]
+    return out
+
+
+def unknown_top_level(cfg: dict) -> list[Finding]:
+    """DeepSpeedConfig is not a pydantic model at the top level: keys it never looks up are ignored silently."""
+    t = tables()
+    known = set(t["ds_top_level_keys"])
+    out = []
+    for key in cfg:
+        if key in known or key in t["ds_removed_top_level"]:
+            continue
+        why = _NOT_DEEPSPEED.get(key, "DeepSpeedConfig never reads this key, so it is ignored without a word")
+        hint = _close(key, known)
+        out.append(warning(key, f"{why}{'; ' + hint if hint else ''}", f"remove '{key}' or use the real key"))
+    return out
+
+
+def strict_sections(cfg: dict) -> list[Finding]:
+    """Sections that are DeepSpeedConfigModel (extra="forbid"): an unknown key raises a ValidationError."""
+    out = []
+    for path, allowed in tables()["ds_strict_sections"].items():
+        section = _at(cfg, path)
+        if not isinstance(section, dict):
+            continue
+        for key in section:
+            if key not in allowed and f"{path}.{key}" not in tables()["ds_strict_sections"]:
+                hint = _close(key, allowed)
+                out.append(error(f"{path}.{key}", f"'{path}' is validated strictly (pydantic extra='forbid'): "
+                                 f"DeepSpeed refuses the unknown key{'; ' + hint if hint else ''}",
+                                 f"remove it; allowed keys: {', '.join(allowed)}"))
+    return out
+
+
+def _at(cfg: dict, path: str):
+    node = cfg
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def settings_or_finding(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
+    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding.
+
+    An optimizer DeepSpeed builds but memplan does not model (Lamb, Adagrad, ...) is an info and is left out.
+    """
+    opt = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), dict) else {}
+    name = str(opt.get("type", ""))
+    out: list[Finding] = []
+    if name and name.lower() in DEEPSPEED_OPTIMIZERS and name.lower() not in ("adam", "adamw", "lion"):
+        out.append(info("optimizer.type", f"DeepSpeed builds {name}; memplan models Adam/AdamW, Lion and SGD, so "
+                                          "the estimate assumes AdamW states"))
+        cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+    elif name and name.lower() not in DEEPSPEED_OPTIMIZERS and name != "SGD" and name.lower() == "sgd":
+        out.append(error("optimizer.type", f"'{name}' is looked up as torch.optim.{name} (case-sensitive, "
+                                           "engine._configure_basic_optimizer): that is a module, not a class",
+                         "write \"SGD\""))
+        cfg = {**cfg, "optimizer": {**opt, "type": "SGD"}}
+    try:
+        return ds_settings(cfg), out
+    except InputError as err:
+        return None, out + [error(err.field, err.message, "see DeepSpeed's config documentation for allowed values")]
+
+
+def value_rules(cfg: dict, s: DsSettings) -> list[Finding]:
+    """What DeepSpeed does with the values: ignored combinations, auto, loss scaling, gradient clipping."""
+    out: list[Finding] = []
+    zero = s.zero_stage or 0
+    if s.offload_param not in (None, "none") and zero != 3:
+        out.append(warning("zero_optimization.offload_param", f"only ZeRO-3 offloads parameters; under stage {zero} "
+                           "DeepSpeed ignores it (stage_1_and_2.py never reads offload_param)",
+                           "set zero_optimization.stage 3 or remove offload_param"))
+    if s.offload_optimizer not in (None, "none") and zero == 0:
+        out.append(warning("zero_optimization.offload_optimizer", "ZeRO is off (stage 0): no ZeRO optimizer is "
+                           "built, so nothing is offloaded", "use stage 1, 2 or 3"))
+    params = (cfg.get("optimizer") or {}).get("params") if isinstance(cfg.get("optimizer"), dict) else None
+    if isinstance(params, dict) and "max_grad_norm" in params:
+        out.append(error("optimizer.params.max_grad_norm", "engine._configure_basic_optimizer raises ValueError: "
+                         "max_grad_norm is not an optimizer parameter", "use top-level gradient_clipping"))
+    top_auto = [k for k in s.auto_keys if "." not in k]
+    if top_auto:
+        out.append(warning(", ".join(top_auto), "\"auto\" is filled in only by the Hugging Face Trainer / Accelerate "
+                           "integration; plain deepspeed.initialize keeps the string and its batch checks fail",
+                           "write numbers when launching without the HF integration"))
+    if s.dtype == "fp16":
+        window = s.fp16_loss_scale_window or 1000
+        if not s.fp16_loss_scale:
+            out.append(info("fp16", f"dynamic loss scaling: starts at 2^{s.fp16_initial_scale_power or 16}, halves on "
+                            f"overflow (skipping that step), doubles after {window} clean steps "
+                            "(DeepSpeedFP16Config defaults: initial_scale_power 16, loss_scale_window 1000)",
+                            "bf16 needs no loss scaling where the GPU supports it (A100 and later)"))
+    if s.sequence_parallel_size and s.sequence_parallel_size > 1:
+        out.append(info("sequence_parallel_size", "read only by DeepSpeedConfig when no mpu is passed (the HF "
+                        "zero.init path), to divide the world for the batch check; it does not create Ulysses groups"))
+    if "gradient_clipping" not in cfg:
+        out.append(info("gradient_clipping", "not set: DeepSpeed 0.19.8 clips at 1.0 by default "
+                        "(GRADIENT_CLIPPING_DEFAULT)", "set 0.0 to disable"))
+    return out
+
+
+def ds_rules(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
+    """All rules on the config alone, and memplan's reading of it (None when DeepSpeed would refuse a value)."""
+    findings = removed_keys(cfg) + unknown_top_level(cfg) + strict_sections(cfg)
+    settings, more = settings_or_finding(cfg)
+    findings += more
+    if settings is not None:
+        findings += value_rules(cfg, settings)
+    return settings, findings
