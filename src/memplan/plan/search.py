@@ -1,0 +1,286 @@
+"""`search(space) -> PlanResult`: every valid configuration, its memory (the estimator's fast path) and its
+step time (perf.step_time); the feasible ones ranked by step time, the closest misses kept for the report.
+
+Speed: layouts and ZeRO sections are validated once and candidate Jobs are assembled with `model_construct`
+(the rules were already applied by space.*_problem). Pruning, in memory-saving order:
+- micro-batches ascend; once one misses the target, larger ones are skipped (activations only grow) — except
+  the last (grad_accum 1), which is evaluated too, since a single micro-step drops ZeRO-2's second gradient
+  buffer and so is not covered by the argument;
+- checkpointing goes full → selective → none; if the smallest micro-batch misses under one, the ones that keep
+  more activations are skipped;
+- host RAM / NVMe needs do not depend on the micro-batch, checkpointing or attention: one miss skips the rest
+  of that ZeRO / offload combination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..specs import Job, Layout, TrainingSpec, ZeroSpec
+from .perf import ModelCosts, StepTime, model_costs, step_time, tokens_per_step
+from .space import (
+    ATTENTION_ORDER,
+    CHECKPOINTING_ORDER,
+    OFFLOAD_ORDER,
+    PlanSpace,
+    attention_problem,
+    divisors,
+    layout_problem,
+    zero_problem,
+)
+
+PeakFn = Callable[[Job], "object"]
+
+
+class Peak(NamedTuple):
+    """What the plan reads from the estimator (the fields of memplan.estimator.QuickPeak)."""
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    host_bytes_per_node: int
+    nvme_bytes_per_node: int
+    peak_phase: str
+
+
+def default_peak_fn() -> PeakFn:
+    """memplan.estimator.quick_peak, or (ADAPTER, until that lands) memplan.api.estimate read the same way."""
+    try:
+        from ..estimator import quick_peak
+
+        return quick_peak
+    except ImportError:
+        from ..api import estimate
+
+        def via_estimate(job: Job) -> Peak:
+            e = estimate(job)
+            return Peak(e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_total_bytes,
+                        e.host_bytes_per_node, e.nvme_bytes_per_node, e.peak_phase)
+
+        return via_estimate
+
+
+class Candidate(NamedTuple):
+    """One evaluated configuration: its layout and settings, memory, needs per node and speed."""
+
+    zero: int
+    tp: int
+    pp: int
+    sp: int
+    dp: int
+    offload_optimizer: str
+    offload_param: str
+    checkpointing: str
+    attention: str
+    micro_batch: int
+    grad_accum: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    host_bytes_per_node: int
+    nvme_bytes_per_node: int
+    peak_phase: str
+    step: StepTime
+    step_time_s: float
+    tokens_per_s: float
+    misses: tuple[str, ...]  # why it does not fit: "target", "host RAM", "NVMe"; empty when it fits
+    binding: str  # memory / compute / comm / offload / bubble
+
+    @property
+    def fits(self) -> bool:
+        return not self.misses
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Feasible candidates by step time, the closest misses by device total, and the counts."""
+
+    space: PlanSpace
+    candidates: tuple[Candidate, ...]
+    closest: tuple[Candidate, ...]
+    searched: int  # valid configurations covered (evaluated + skipped by pruning)
+    evaluated: int  # configurations the estimator and the perf model ran on
+    invalid: dict[str, int] = field(default_factory=dict)  # dropped combinations by rule
+
+    @property
+    def feasible(self) -> int:
+        return len(self.candidates)
+
+
+class _Combo(NamedTuple):
+    """A valid layout with a valid ZeRO section: everything but checkpointing, attention and micro-batch."""
+
+    layout: Layout
+    training: TrainingSpec  # a template: seq, dtype, optimizer and ZeRO section set
+
+
+def _replace(template, **changes):
+    """A copy of a constructed spec with some fields changed, without validation (pydantic's __copy__ then a
+    __dict__ update, what model_copy(update=...) does): only for values space.*_problem already checked."""
+    out = template.__copy__()
+    out.__dict__.update(changes)
+    return out
+
+
+def _layouts(space: PlanSpace, invalid: dict[str, int]) -> Iterator[Layout]:
+    max_tp, max_pp, max_sp = space.caps()
+    for tp in divisors(space.world):
+        for pp in divisors(space.world // tp):
+            for sp in divisors(space.world // (tp * pp)):
+                if tp > max_tp or pp > max_pp or sp > max_sp:
+                    continue
+                problem = layout_problem(space.model, space.seq_len, tp, pp, sp)
+                dp = space.world // (tp * pp * sp)
+                if problem is None and space.global_batch % dp:
+                    problem = "global batch not divisible by dp"
+                if problem:
+                    invalid[problem] = invalid.get(problem, 0) + 1
+                    continue
+                yield Layout.model_construct(world=space.world, gpus_per_node=space.gpus_per_node,
+                                             tp=tp, pp=pp, sp=sp)
+
+
+def _combos(space: PlanSpace, invalid: dict[str, int]) -> Iterator[_Combo]:
+    devices = [d for d in OFFLOAD_ORDER if d in space.offload_devices]
+    for layout in _layouts(space, invalid):
+        for stage in space.zero_stages:
+            for oo in devices:
+                for op in devices:
+                    problem = zero_problem(stage, layout.pp, oo, op)
+                    if problem:
+                        invalid[problem] = invalid.get(problem, 0) + 1
+                        continue
+                    zero = ZeroSpec.model_construct(stage=stage, offload_optimizer=oo, offload_param=op)
+                    training = TrainingSpec.model_construct(
+                        seq_len=space.seq_len, dtype=space.dtype, zero=zero,
+                        optimizer="cpu_adam" if oo != "none" else "adamw")  # DeepSpeedCPUAdam when offloaded
+                    yield _Combo(layout, training)
+
+
+class _Evaluator:
+    """Builds a candidate Job and runs the estimator and the perf model on it."""
+
+    def __init__(self, space: PlanSpace, peak_fn: PeakFn):
+        self.space, self.peak_fn = space, peak_fn
+        self.costs: ModelCosts = model_costs(space.model, space.seq_len)
+        training = TrainingSpec.model_construct(seq_len=space.seq_len, dtype=space.dtype)
+        self.job_template = Job.model_construct(model=space.model, training=training, layout=Layout.model_construct())
+        self.count = 0
+
+    def job(self, combo: _Combo, checkpointing: str, attention: str, micro: int) -> Job:
+        accum = self.space.global_batch // (combo.layout.dp * micro)
+        training = _replace(combo.training, micro_batch=micro, grad_accum=accum, checkpointing=checkpointing,
+                            attention=attention)
+        return _replace(self.job_template, training=training, layout=combo.layout)
+
+    def __call__(self, combo: _Combo, checkpointing: str, attention: str, micro: int) -> Candidate:
+        self.count += 1
+        job = self.job(combo, checkpointing, attention, micro)
+        return make_candidate(self.space, job, self.peak_fn(job), self.costs)
+
+
+def make_candidate(space: PlanSpace, job: Job, peak, costs: ModelCosts | None = None) -> Candidate:
+    """A Candidate for ``job`` from the estimator's ``peak`` and the perf model."""
+    costs = costs or model_costs(job.model, job.training.seq_len)
+    t, lay, z = job.training, job.layout, job.training.zero
+    step = step_time(job, costs, space.hardware, space.perf)
+    seconds = step.seconds
+    misses = tuple(name for name, over in (
+        ("target", peak.device_total_bytes > space.target_bytes),
+        ("host RAM", peak.host_bytes_per_node > space.host_ram_bytes_per_node),
+        ("NVMe", peak.nvme_bytes_per_node > space.nvme_bytes_per_node),
+    ) if over)
+    headroom = space.target_bytes - peak.device_total_bytes
+    tight = 0 <= headroom < space.perf.tight_headroom_fraction * space.target_bytes
+    return Candidate(
+        zero=z.stage, tp=lay.tp, pp=lay.pp, sp=lay.sp, dp=lay.dp, offload_optimizer=z.offload_optimizer,
+        offload_param=z.offload_param, checkpointing=t.checkpointing, attention=t.attention,
+        micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+        peak_allocated_bytes=int(peak.peak_allocated_bytes), peak_reserved_bytes=int(peak.peak_reserved_bytes),
+        device_total_bytes=int(peak.device_total_bytes), host_bytes_per_node=int(peak.host_bytes_per_node),
+        nvme_bytes_per_node=int(peak.nvme_bytes_per_node), peak_phase=str(peak.peak_phase), step=step,
+        step_time_s=seconds, tokens_per_s=tokens_per_step(job) / seconds, misses=misses,
+        binding="memory" if tight else step.dominant(),
+    )
+
+
+def _micro_batches(space: PlanSpace, dp: int) -> list[int]:
+    per_replica = space.global_batch // dp
+    return [m for m in divisors(per_replica) if m <= space.max_micro_batch]
+
+
+def _micro_chain(combo: _Combo, ckpt: str, attention: str, micros: list[int], evaluate: _Evaluator,
+                 prune: bool) -> tuple[list[Candidate], int]:
+    """Micro-batches ascending for one (combo, checkpointing, attention): (evaluated, skipped).
+
+    A host RAM / NVMe miss stops the chain at once (the caller skips the rest of the combination). A target
+    miss skips the larger micro-batches except the last one (grad_accum 1).
+    """
+    out: list[Candidate] = []
+    for j, micro in enumerate(micros):
+        cand = evaluate(combo, ckpt, attention, micro)
+        out.append(cand)
+        rest = micros[j + 1:]
+        if cand.fits or not prune or not rest:
+            continue
+        if _budget_miss(cand):
+            return out, len(rest)
+        out.append(evaluate(combo, ckpt, attention, rest[-1]))
+        return out, len(rest) - 1
+    return out, 0
+
+
+def _budget_miss(cand: Candidate) -> bool:
+    return "host RAM" in cand.misses or "NVMe" in cand.misses
+
+
+def _search_combo(space: PlanSpace, combo: _Combo, evaluate: _Evaluator, prune: bool) -> tuple[list[Candidate], int]:
+    """All candidates of one combination, pruned as the module docstring says: (evaluated, skipped)."""
+    micros = _micro_batches(space, combo.layout.dp)
+    if not micros:
+        return [], 0
+    attentions = [a for a in ATTENTION_ORDER if a in space.attention and not attention_problem(a, combo.layout.sp)]
+    ckpts = [c for c in CHECKPOINTING_ORDER if c in space.checkpointing]
+    out: list[Candidate] = []
+    skipped = 0
+    for ai, attention in enumerate(attentions):
+        for ci, ckpt in enumerate(ckpts):
+            cands, chain_skipped = _micro_chain(combo, ckpt, attention, micros, evaluate, prune)
+            out += cands
+            skipped += chain_skipped
+            first = cands[0]
+            if not prune or first.fits:
+                continue
+            later_ckpts = (len(ckpts) - ci - 1) * len(micros)
+            if _budget_miss(first):
+                later_attentions = (len(attentions) - ai - 1) * len(ckpts) * len(micros)
+                return out, skipped + later_ckpts + later_attentions
+            skipped += later_ckpts  # the smallest micro-batch missed: keeping more activations cannot fit
+            break
+    return out, skipped
+
+
+def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, keep_closest: int = 20) -> PlanResult:
+    """Every valid configuration of ``space``; the feasible ones by step time (ties: less device memory)."""
+    evaluate = _Evaluator(space, peak_fn or default_peak_fn())
+    invalid: dict[str, int] = {}
+    feasible: list[Candidate] = []
+    misses: list[Candidate] = []
+    skipped = 0
+    for combo in _combos(space, invalid):
+        cands, combo_skipped = _search_combo(space, combo, evaluate, prune)
+        skipped += combo_skipped
+        for cand in cands:
+            (feasible if cand.fits else misses).append(cand)
+    feasible.sort(key=lambda c: (c.step_time_s, c.device_total_bytes))
+    misses.sort(key=lambda c: (_overshoot(space, c), c.step_time_s))
+    return PlanResult(space=space, candidates=tuple(feasible), closest=tuple(misses[:keep_closest]),
+                      searched=evaluate.count + skipped, evaluated=evaluate.count, invalid=invalid)
+
+
+def _overshoot(space: PlanSpace, c: Candidate) -> float:
+    """How far a miss is from fitting, as the worst ratio of need to budget (1.0 = just fits)."""
+    return max(c.device_total_bytes / space.target_bytes, c.host_bytes_per_node / space.host_ram_bytes_per_node,
+               c.nvme_bytes_per_node / max(1, space.nvme_bytes_per_node))

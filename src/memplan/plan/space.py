@@ -1,0 +1,121 @@
+"""The search space of `memplan plan`: what may vary, and which combinations are valid layouts.
+
+The rules here mirror the Job validators in memplan.specs (and DeepSpeed's own assertions, cited there) so
+that candidates can be built with `model_construct` without re-validating each one; a test checks that
+`layout_problem` agrees with the Job validator on generated layouts.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..specs import Attention, Checkpointing, ModelSpec, OffloadDevice, TrainDtype
+from .hardware import Hardware
+from .perf import PerfAssumptions
+
+#: default tokens per optimizer step: 4M (Llama 2, Touvron et al. 2023, §2.2: 4M-token batches; GPT-3 175B
+#: used 3.2M, Brown et al. 2020, Table 2.1). Rounded up to whole sequences and a multiple of the world size.
+DEFAULT_GLOBAL_TOKENS = 2**22
+#: largest micro-batch searched by default (per rank, sequences)
+DEFAULT_MAX_MICRO_BATCH = 64
+#: the default target keeps this share of the GPU free, and at least MIN_SAFETY_BYTES: what the estimate
+#: cannot see or may miss — allocator fragmentation beyond the modelled reserve, NCCL buffers that grow with
+#: more communicators, and the estimator's 5% worst-case error (issue 2's accuracy bar).
+SAFETY_FRACTION = 0.05
+MIN_SAFETY_BYTES = 2 * 2**30
+
+#: search orders: most memory-saving first, so that a failure prunes what follows
+CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("full", "selective", "none")
+ATTENTION_ORDER: tuple[Attention, ...] = ("flash", "sdpa", "eager")
+OFFLOAD_ORDER: tuple[OffloadDevice, ...] = ("none", "cpu", "nvme")
+
+
+def default_target_bytes(memory_bytes: int) -> int:
+    """GPU capacity less the safety margin (SAFETY_FRACTION of it, at least MIN_SAFETY_BYTES)."""
+    return memory_bytes - max(MIN_SAFETY_BYTES, int(memory_bytes * SAFETY_FRACTION))
+
+
+def default_global_batch(seq_len: int, world: int) -> int:
+    """DEFAULT_GLOBAL_TOKENS as whole sequences, rounded up to a multiple of ``world``."""
+    sequences = max(1, -(-DEFAULT_GLOBAL_TOKENS // seq_len))
+    return -(-sequences // world) * world
+
+
+class PlanSpace(BaseModel):
+    """Everything `search` needs: the fixed job facts, the budgets, and what may vary."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSpec
+    seq_len: int = Field(gt=0)
+    global_batch: int = Field(gt=0, description="sequences per optimizer step = micro · accum · dp")
+    world: int = Field(gt=0, description="--gpus")
+    gpus_per_node: int = Field(8, gt=0)
+    hardware: Hardware
+    target_bytes: int = Field(gt=0, description="device total (reserved + non-torch) must not exceed this")
+    host_ram_bytes_per_node: int = Field(gt=0)
+    nvme_bytes_per_node: int = Field(ge=0)
+    dtype: TrainDtype = "bf16"
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offload_devices: tuple[OffloadDevice, ...] = OFFLOAD_ORDER
+    max_tp: int = Field(0, ge=0, description="0: up to the world size")
+    max_pp: int = Field(0, ge=0)
+    max_sp: int = Field(0, ge=0)
+    checkpointing: tuple[Checkpointing, ...] = ("full", "none")
+    attention: tuple[Attention, ...] = ("flash", "sdpa", "eager")
+    max_micro_batch: int = Field(DEFAULT_MAX_MICRO_BATCH, gt=0)
+    perf: PerfAssumptions = PerfAssumptions()
+
+    @model_validator(mode="after")
+    def _check(self) -> PlanSpace:
+        if not self.zero_stages or any(s not in (0, 1, 2, 3) for s in self.zero_stages):
+            raise ValueError(f"zero_stages {self.zero_stages} must be a non-empty subset of 0, 1, 2, 3")
+        if "none" not in self.offload_devices:
+            raise ValueError("offload_devices must include 'none'")
+        if not self.checkpointing or not self.attention:
+            raise ValueError("checkpointing and attention need at least one choice each")
+        return self
+
+    def caps(self) -> tuple[int, int, int]:
+        """(max tp, max pp, max sp), 0 meaning the world size."""
+        return tuple(c or self.world for c in (self.max_tp, self.max_pp, self.max_sp))
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problem(m: ModelSpec, seq_len: int, tp: int, pp: int, sp: int) -> str | None:
+    """Why (tp, pp, sp) is not a valid layout for ``m`` (the Job validator's rules), or None."""
+    if sp > 1 and (tp > 1 or pp > 1):
+        return "Ulysses sp does not combine with tp or pp in DeepSpeed"
+    if sp > 1 and seq_len % sp:
+        return "seq not divisible by sp"
+    if m.num_heads % (tp * sp):
+        return "heads not divisible by tp·sp"
+    if sp > 1 and (m.num_kv_heads < sp or m.num_kv_heads % sp):
+        return "kv heads not a multiple of sp"
+    if tp > 1 and m.num_kv_heads % tp:
+        return "kv heads not divisible by tp"
+    if pp > 1 and m.num_layers < pp:
+        return "fewer layers than pp"
+    return None
+
+
+def zero_problem(stage: int, pp: int, offload_optimizer: str, offload_param: str) -> str | None:
+    """Why a ZeRO stage / offload combination is refused (ZeroSpec and Job validators), or None."""
+    if pp > 1 and stage >= 2:
+        return "ZeRO-2/3 with pp (runtime/pipe/engine.py)"
+    if offload_param != "none" and stage != 3:
+        return "offload_param below ZeRO-3"
+    if offload_optimizer != "none" and stage == 0:
+        return "offload_optimizer at ZeRO-0"
+    return None
+
+
+def attention_problem(attention: str, sp: int) -> str | None:
+    """DeepSpeed's Ulysses path for transformers (UlyssesSPAttentionHF) refuses eager attention."""
+    if sp > 1 and attention == "eager":
+        return "eager attention with Ulysses sp"
+    return None
