@@ -1,0 +1,220 @@
+"""Run a matrix of verify jobs on one GPU: `python -m memplan.verify.batch MATRIX.jsonl --out DIR`.
+
+Each MATRIX line is {"name": ..., "args": [verify/estimate flags]}; the args are parsed by the same code as
+`memplan verify`, so a matrix row is exactly a verify command. Jobs run as worker subprocesses, several at
+once while their predicted device totals (memplan.api.estimate; 40 GiB when unavailable) fit in
+--gpu-budget-gib; a job that OOMed while sharing the GPU is retried alone. Each finished row is appended to
+DIR/rows.jsonl (and DIR/<name>.json/.md) and summarised on one line.
+
+Resumable: names already in DIR/rows.jsonl are skipped (--redo runs them again). --deadline S stops starting
+jobs after S seconds and kills what still runs at S without recording it, so a time-boxed call can be
+repeated until the matrix is done. DeepSpeed's JIT ops are built once first (TORCH_CUDA_ARCH_LIST=9.0 unless
+set; TORCH_EXTENSIONS_DIR chooses the cache, so a built cache can be carried to the next machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..units import GiB
+from . import command, report, runner
+
+#: device total assumed for a job when memplan's estimate is unavailable
+FALLBACK_TOTAL_BYTES = 40 * GiB
+
+
+@dataclass
+class Item:
+    name: str
+    args: list[str]
+    job: Any = None
+    opts: dict = field(default_factory=dict)
+    need_bytes: int = FALLBACK_TOTAL_BYTES
+    alone: bool = False
+    shared: bool = False
+    error: str | None = None
+
+
+def predicted_total_bytes(job, layers: int | None) -> int:
+    """Predicted device total of what will actually run (the 2K-layer model under --layers)."""
+    try:
+        from ..api import estimate
+
+        if layers:
+            job = job.model_copy(update={"model": job.model.model_copy(update={"num_layers": 2 * layers})})
+        return estimate(job).device_total_bytes
+    except Exception:  # noqa: BLE001 - scheduling falls back to a fixed share
+        return FALLBACK_TOTAL_BYTES
+
+
+def parse_item(line: dict[str, Any], out_dir: str) -> Item:
+    """A matrix line → Item with its Job (or the one-line reason it is bad)."""
+    item = Item(name=str(line.get("name") or ""), args=[str(a) for a in line.get("args", [])])
+    parser = argparse.ArgumentParser(prog="memplan verify", exit_on_error=False, add_help=False)
+    command.add_arguments(parser)
+    try:
+        args = parser.parse_args(item.args + ["--out", out_dir] + (["--name", item.name] if item.name else []))
+        item.job, item.opts = command.job_and_options(args)
+    except (argparse.ArgumentError, ValueError) as exc:
+        item.error = str(exc).splitlines()[0]
+        return item
+    except SystemExit:
+        item.error = f"bad flags: {' '.join(item.args)}"
+        return item
+    item.name = item.name or runner.default_name(item.job)
+    item.opts["name"] = item.name
+    item.need_bytes = predicted_total_bytes(item.job, item.opts.get("layers"))
+    return item
+
+
+def prebuild_ops(items: list[Item], device: str) -> None:
+    """Build DeepSpeed's JIT ops once, in a subprocess, before any worker needs them."""
+    builders = ["FusedAdamBuilder"]
+    if any(i.job and i.job.training.zero.offload_optimizer != "none" for i in items):
+        builders.append("CPUAdamBuilder")
+    if any(i.job and i.job.training.optimizer == "lion" for i in items):
+        builders.append("FusedLionBuilder")
+    code = ("from deepspeed.ops.op_builder import " + ", ".join(builders) + "\n"
+            + "\n".join(f"{b}().load()" for b in builders))
+    env = {**os.environ, **runner.CHILD_ENV}
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    status = "ok" if out.returncode == 0 else f"failed (code {out.returncode}): {out.stderr.strip()[-300:]}"
+    print(f"prebuilt {', '.join(builders)} in {time.perf_counter() - t0:.0f} s: {status}", flush=True)
+
+
+def done_names(rows_path: str) -> set[str]:
+    if not os.path.exists(rows_path):
+        return set()
+    with open(rows_path) as fh:
+        return {json.loads(line)["name"] for line in fh if line.strip()}
+
+
+class Scheduler:
+    """Starts jobs while they fit; retries an OOM that happened while sharing, alone."""
+
+    def __init__(self, items: list[Item], args: argparse.Namespace):
+        self.pending = deque(items)
+        self.args = args
+        self.budget = int(args.gpu_budget_gib * GiB)
+        self.running: dict[str, Item] = {}
+        self.cond = threading.Condition()
+        self.rows_path = os.path.join(args.out, "rows.jsonl")
+        self.t0 = time.monotonic()
+
+    def _remaining(self) -> float:
+        return float("inf") if self.args.deadline is None else self.args.deadline - (time.monotonic() - self.t0)
+
+    def _fits(self, item: Item) -> bool:
+        if not self.running:
+            return True
+        if item.alone or any(i.alone for i in self.running.values()) or len(self.running) >= self.args.workers:
+            return False
+        used = sum(i.need_bytes for i in self.running.values())
+        return used + item.need_bytes <= self.budget
+
+    def _start(self, item: Item) -> None:
+        item.shared = bool(self.running)
+        for other in self.running.values():
+            other.shared = True
+        self.running[item.name] = item
+        threading.Thread(target=self._run, args=(item,), daemon=True).start()
+
+    def _run(self, item: Item) -> None:
+        timeout = min(item.opts["timeout_s"], self._remaining())
+        opts = {**item.opts, "timeout_s": timeout, "steps": self.args.steps or item.opts["steps"]}
+        if self.args.device:
+            opts["device"] = self.args.device
+        row = runner.measure_job(item.job, command=["memplan", "verify", *item.args], **opts)
+        with self.cond:
+            del self.running[item.name]
+            self._finish(item, row, deferred=row["status"] == "timeout" and timeout < item.opts["timeout_s"])
+            self.cond.notify_all()
+
+    def _finish(self, item: Item, row: dict[str, Any], deferred: bool) -> None:
+        if deferred:
+            print(f"{item.name}: deferred (deadline reached; rerun the batch to measure it)", flush=True)
+            return
+        if row["status"] == "oom" and item.shared and not item.alone:
+            print(f"{item.name}: OOM while sharing the GPU; retrying alone", flush=True)
+            item.alone = True
+            self.pending.appendleft(item)
+            return
+        row["batch"] = {"shared_gpu": item.shared, "predicted_total_bytes_for_scheduling": item.need_bytes}
+        report.write_report(row, self.args.out)
+        with open(self.rows_path, "a") as fh:
+            fh.write(report.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        print(report.summary_line(row), flush=True)
+
+    def run(self) -> None:
+        with self.cond:
+            while self.pending or self.running:
+                if self._remaining() > 0:
+                    for item in list(self.pending):
+                        if self._fits(item):
+                            self.pending.remove(item)
+                            self._start(item)
+                        elif item.alone:
+                            break  # keep order: nothing overtakes a job waiting to run alone
+                elif not self.running:
+                    break
+                self.cond.wait(timeout=5)
+        for item in self.pending:
+            print(f"{item.name}: not started (deadline)", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m memplan.verify.batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("matrix", help="JSONL: one {\"name\": ..., \"args\": [...]} per line")
+    p.add_argument("--out", required=True, help="folder for rows.jsonl, reports and worker logs")
+    p.add_argument("--workers", type=int, default=4, help="jobs at once at most (4)")
+    p.add_argument("--gpu-budget-gib", type=float, default=130.0, help="sum of predicted device totals (130)")
+    p.add_argument("--deadline", type=float, help="seconds: start nothing after, kill and defer what runs")
+    p.add_argument("--steps", type=int, help="override every row's --steps")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="override every row's --device")
+    p.add_argument("--only", help="comma-separated names to run")
+    p.add_argument("--redo", action="store_true", help="run names already in rows.jsonl again")
+    p.add_argument("--no-prebuild", action="store_true", help="skip building DeepSpeed's JIT ops first")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    with open(args.matrix) as fh:
+        lines = [json.loads(x) for x in fh if x.strip()]
+    wanted = set(args.only.split(",")) if args.only else None
+    done = set() if args.redo else done_names(os.path.join(args.out, "rows.jsonl"))
+    items = []
+    for line in lines:
+        if (wanted and line.get("name") not in wanted) or line.get("name") in done:
+            continue
+        item = parse_item(line, args.out)
+        if item.error:
+            print(f"{item.name or line}: bad matrix row: {item.error}", flush=True)
+            continue
+        items.append(item)
+    print(f"{len(items)} jobs to run ({len(done)} already in rows.jsonl)", flush=True)
+    if items and not args.no_prebuild:
+        prebuild_ops(items, args.device or items[0].opts["device"])
+    Scheduler(items, args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""One measurement process: `python -m memplan.verify.worker TASK.json` (see memplan.verify for the protocol).
+
+TASK.json (written by memplan.verify.runner): name, job (Job.model_dump()), hf_config, num_layers (None:
+the full depth), steps, device ("cuda" or "cpu"), mode ("emulated" or "real"), out_dir. Each rank writes
+its row to out_dir/rank<r>.json atomically; tracebacks go to stderr, which the parent sends to a log file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from ..dsconfig_emit import to_ds_config
+from ..specs import Job
+from . import hfbuild
+from .envinfo import environment, write_json_atomic
+from .phases import Meter, Recorder, TimelineHooks
+
+
+class Unsupported(Exception):
+    """The job asks for something this harness cannot measure faithfully."""
+
+
+def check_supported(job: Job) -> None:
+    """Refuse what the transformers + DeepSpeed path cannot run as the estimator models it."""
+    t, lay = job.training, job.layout
+    if t.checkpointing == "selective":
+        raise Unsupported("selective checkpointing: transformers only offers full-layer checkpointing")
+    if lay.tp > 1 or lay.pp > 1:
+        raise Unsupported(f"tp ({lay.tp}) / pp ({lay.pp}) > 1: verify measures DeepSpeed ZeRO + Ulysses only")
+    if lay.sp > 1 and job.model.family == "gpt2":
+        raise Unsupported("Ulysses sp > 1 on gpt2: DeepSpeed's UlyssesSPAttentionHF fails on transformers' GPT-2")
+    if lay.sp > 1 and t.attention == "eager":
+        raise Unsupported("Ulysses sp > 1 with eager attention: DeepSpeed refuses it (needs a 4D mask)")
+
+
+def setup_distributed(task: dict[str, Any], world: int) -> tuple[int, int]:
+    """(rank, local_rank): torch's fake process group for emulated ranks, NCCL/gloo under torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    if task["mode"] == "emulated":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+        if task["device"] == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    else:
+        local = int(os.environ["LOCAL_RANK"])
+        if task["device"] == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if task["device"] == "cuda" else "gloo")
+    import deepspeed
+
+    deepspeed.init_distributed()
+    return dist.get_rank(), int(os.environ["LOCAL_RANK"])
+
+
+def attention_context(job: Job):
+    """sdpa restricted to FlashAttention for --attention flash; nothing otherwise."""
+    if job.training.attention != "flash":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def initialize(task: dict[str, Any], job: Job, device: str):
+    """Build the model and wrap it: (engine, model, sp_rank). Runs inside the "init" phase."""
+    import deepspeed
+
+    ds_config = to_ds_config(job)
+    config = hfbuild.make_config(task["hf_config"], task.get("num_layers"))
+    model = hfbuild.build_model(config, job, ds_config, device)
+    mpu, sp_rank = None, 0
+    if job.layout.sp > 1:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation=hfbuild.ATTN_IMPLEMENTATION[job.training.attention],
+            sequence_parallel_size=job.layout.sp, micro_batch_size=job.training.micro_batch,
+            seq_length=job.training.seq_len, seq_length_is_variable=False)
+        sp_rank = mpu.get_sequence_parallel_rank()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config, mpu=mpu)
+    return engine, model, sp_rank
+
+
+def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_rank: int) -> None:
+    """`steps` optimizer steps of grad_accum micro-steps; forward / backward / step are separate phases."""
+    import torch
+
+    t = job.training
+    shard = t.seq_len // job.layout.sp
+    vocab = model.config.get_text_config().vocab_size
+    positions = torch.arange(sp_rank * shard, (sp_rank + 1) * shard, device=device).unsqueeze(0).expand(t.micro_batch, -1)
+    extra = {"position_ids": positions} if job.layout.sp > 1 else {}
+    backward_hooks = t.checkpointing == "none" and t.zero.stage < 3
+    with attention_context(job):
+        for s in range(steps):
+            for m in range(t.grad_accum):
+                hooks = None
+                if s == 0 and m == 0:
+                    layers = hfbuild.decoder_layers(model)
+                    hooks = TimelineHooks(rec, layers, hfbuild.final_modules(model), backward_hooks)
+                ids = torch.randint(0, vocab, (t.micro_batch, shard), device=device)
+                rec.begin(f"step{s}.micro{m}.forward")
+                loss = engine(input_ids=ids, labels=ids, **extra).loss
+                rec.end()
+                rec.begin(f"step{s}.micro{m}.backward")
+                engine.backward(loss)
+                rec.end()
+                del loss
+                if hooks:
+                    hooks.remove()
+                rec.begin(f"step{s}.micro{m}.step")
+                engine.step()
+                rec.end()
+                del ids
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+
+
+def measure(task: dict[str, Any]) -> dict[str, Any]:
+    """Run the task in this process and return this rank's row (never raises for a failed measurement)."""
+    t0 = time.perf_counter()
+    job = Job.model_validate(task["job"])
+    row: dict[str, Any] = {"status": "ok", "error": None, "rank": 0, "mode": task["mode"],
+                           "num_layers": task.get("num_layers") or job.model.num_layers, "phases": [], "timeline": []}
+    rec = None
+    try:
+        check_supported(job)
+        rank, local = setup_distributed(task, job.layout.world)
+        row["rank"] = rank
+        device = f"cuda:{local}" if task["device"] == "cuda" else "cpu"
+        rec = Recorder(Meter(device))
+        rec.begin("init")
+        engine, model, sp_rank = initialize(task, job, device)
+        rec.end()
+        train(engine, model, job, rec, task["steps"], device, sp_rank)
+    except Unsupported as exc:
+        row.update(status="unsupported", error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - every failure is a result, logged in full to stderr
+        traceback.print_exc()
+        where = rec.current if rec else "setup"
+        if _is_oom(exc):
+            label = rec.last_label() if rec else None
+            row.update(status="oom", error=f"measured: OOM in {where}" + (f" ({label})" if label else ""),
+                       oom_phase=where)
+        else:
+            row.update(status="error", error=f"{_one_line(exc)} (in {where})")
+    if rec:
+        row.update(phases=rec.phases, timeline=rec.timeline, **rec.summary())
+    row["env"] = environment(task["device"])
+    row["attention_backend"] = _attention_note(job)
+    if row["rank"] == 0 and task.get("meta_pass", True):
+        row.update(_meta_counts(task, job))
+    row["wall_s"] = round(time.perf_counter() - t0, 3)
+    return row
+
+
+def _attention_note(job: Job) -> str:
+    impl = hfbuild.ATTN_IMPLEMENTATION[job.training.attention]
+    if job.training.attention == "flash":
+        return "sdpa with torch's FLASH_ATTENTION backend forced (flash-attn package not used)"
+    return impl
+
+
+def _meta_counts(task: dict[str, Any], job: Job) -> dict[str, Any]:
+    """The meta-device parameter count of the full-depth model against memplan's analytic count."""
+    out: dict[str, Any] = {"meta_params": None, "analytic_params": None}
+    try:
+        out["meta_params"] = hfbuild.meta_param_count(task["hf_config"])
+        out["analytic_params"] = hfbuild.analytic_param_count(job.model)
+    except Exception as exc:  # noqa: BLE001 - a side measurement; the row notes why it is missing
+        traceback.print_exc()
+        out["meta_error"] = _one_line(exc)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as fh:
+        task = json.load(fh)
+    row = measure(task)
+    write_json_atomic(os.path.join(task["out_dir"], f"rank{row['rank']}.json"), row)
+    if task["mode"] == "real":
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
