@@ -17,6 +17,7 @@ PROG = "memplan"
 #: commands implemented in memplan.<name>.command (add_arguments(parser), run(args) -> int), imported lazily
 LAZY_COMMANDS = ("verify", "check", "plan", "calibrate", "report")
 COMMANDS = ("estimate", *LAZY_COMMANDS)
+DESCRIPTION = "Per-GPU memory of DeepSpeed training: estimate before launch, verify on a GPU, check configs, plan."
 
 
 class UsageError(Exception):
@@ -140,7 +141,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s own module is imported (all of them when command is None, for --help)."""
     from . import __version__
 
-    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = _Parser(prog=PROG, description=DESCRIPTION, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"memplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name in COMMANDS:
