@@ -109,7 +109,7 @@ def _training(ctx: dict, model: ModelSpec) -> TrainingSpec:
     return TrainingSpec(seq_len=ctx["seq"] or model.max_position_embeddings, zero=ZeroSpec(**zero), **training)
 
 
-def _variants(lay, model: ModelSpec, training: TrainingSpec, gpus_per_node: int):
+def _variants(lay, model: ModelSpec, training: TrainingSpec):
     """The layout as launched, then the nearest layouts that run, each with a label."""
     tp, pp, sp, world = lay.tp, lay.pp, lay.sp_intended, lay.world or 1
     yield "as launched", {"world": world, "tp": tp, "pp": pp, "sp": sp}
@@ -122,7 +122,6 @@ def _variants(lay, model: ModelSpec, training: TrainingSpec, gpus_per_node: int)
     if pp > 1 and training.zero.stage >= 2:
         yield f"nearest valid variant: pp=1 (ZeRO-{training.zero.stage} refuses pipeline parallelism)", {
             "world": world, "tp": tp, "pp": 1, "sp": sp}
-    del gpus_per_node
 
 
 def estimate_for(ctx: dict, model: ModelSpec | None, args) -> tuple[object | None, str, list[Finding]]:
@@ -135,7 +134,7 @@ def estimate_for(ctx: dict, model: ModelSpec | None, args) -> tuple[object | Non
     training = _training(ctx, model)
     per_node = max(1, (ctx["layout"].world or 1) // args.nodes) if args.nodes else 8
     target, gpu_name, gpu_bytes = _budget(args)
-    for label, layout in _variants(ctx["layout"], model, training, per_node):
+    for label, layout in _variants(ctx["layout"], model, training):
         try:
             job = Job(model=model, training=training, layout=Layout(gpus_per_node=per_node, **layout))
         except ValidationError:

@@ -58,7 +58,8 @@ def _tokens(text: str) -> list[str]:
             words = shlex.split(line, comments=True)
         except ValueError as err:
             raise InputError("--launch", f"cannot split the command line ({err})") from None
-        words = [w for w in words if "=" not in w or w.startswith("-")] if words and "=" in words[0] else words
+        while words and "=" in words[0] and not words[0].startswith("-"):  # VAR=value prefixes
+            words = words[1:]
         if words and words[0] not in ("export", "set", "cd"):
             return words
     raise InputError("--launch", "no command found; give a deepspeed, torchrun, accelerate launch or python line")
