@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -159,3 +162,31 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(case, as_json):
     assert len(lines) == 1 and err.endswith("\n"), err
     assert lines[0].startswith(f"memplan: error: {flag}"), (full, lines[0])
     assert "internal:" not in lines[0]
+
+
+def _special_path(kind: str, tmp: Path) -> str:
+    if kind == "fifo":
+        fifo = tmp / "fifo"
+        os.mkfifo(fifo)
+        return str(fifo)
+    if kind == "huge":
+        huge = tmp / "huge.json"
+        with open(huge, "wb") as f:
+            f.truncate(64 * 2**20)  # sparse: 64 MiB of NULs
+        return str(huge)
+    return {"dir": str(tmp), "zero": "/dev/zero", "stdin": "/dev/stdin"}[kind]
+
+
+@pytest.mark.parametrize("flag", ["--model", "--ds-config"])
+@pytest.mark.parametrize("kind", ["fifo", "zero", "stdin", "dir", "huge"])
+def test_files_that_could_hang_or_flood_are_refused(flag, kind, tmp_path):
+    """A FIFO, /dev/zero, /dev/stdin, a directory or a huge file: one line, exit 2, no hang (own process,
+    so a regression times out instead of hanging the suite)."""
+    if kind in ("fifo", "zero", "stdin") and sys.platform == "win32":
+        pytest.skip("POSIX special files")
+    path = _special_path(kind, tmp_path)
+    code = f"import sys; from memplan.cli import main; sys.exit(main(['estimate', {flag!r}, {path!r}]))"
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.PIPE)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"memplan: error: {flag}")

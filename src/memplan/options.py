@@ -159,8 +159,32 @@ def _normalize_ds_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: the largest input file read (a config.json or DeepSpeed JSON is a few KiB)
+MAX_INPUT_FILE_BYTES = 16 * 2**20
+
+
+def require_regular_file(path: str, flag: str) -> None:
+    """Refuse what could hang or flood a read: FIFOs, devices (/dev/zero, /dev/stdin), directories, huge files.
+
+    ``os.stat`` does not block on a FIFO, so this runs before any open().
+    """
+    import os
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise InputError(flag, f"cannot read {path!r} ({err.strerror or err}); allowed: a readable JSON file") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, device or socket)"
+        raise InputError(flag, f"{path!r} is {kind}; allowed: a regular JSON file")
+    if st.st_size > MAX_INPUT_FILE_BYTES:
+        raise InputError(flag, f"{path!r} is {st.st_size} bytes; allowed: a JSON file up to {MAX_INPUT_FILE_BYTES} bytes")
+
+
 def _ds_settings(path: str):
     """H3's reading of a DeepSpeed JSON (memplan.dsconfig); errors are InputErrors naming --ds-config."""
+    require_regular_file(path, "--ds-config")
     try:
         from . import dsconfig
     except ImportError:
@@ -204,9 +228,11 @@ def _relabel(err: InputError, flag: str) -> InputError:
 def _load_model(name_or_path: str):
     """The ModelSpec for --model (H1's presets; imported here so estimate stays light)."""
     try:
-        from .presets import load_model
+        from .presets import list_presets, load_model
     except ImportError:
         raise InputError("--model", "model presets are not available in this build") from None
+    if name_or_path.strip() not in list_presets() and _exists(name_or_path):
+        require_regular_file(name_or_path, "--model")
     try:
         return load_model(name_or_path)
     except InputError as err:
@@ -214,6 +240,16 @@ def _load_model(name_or_path: str):
     except OSError as err:
         raise InputError("--model", f"cannot read {name_or_path!r} ({err.strerror or err}); allowed: a preset name "
                          "or a readable config.json") from None
+
+
+def _exists(path: str) -> bool:
+    """Whether ``path`` names something on disk (a FIFO or device too), without opening it."""
+    import os
+
+    try:
+        return os.path.lexists(os.path.expanduser(path))
+    except (OSError, ValueError):  # ValueError: an embedded NUL
+        return False
 
 
 def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
