@@ -152,7 +152,7 @@ def test_unreadable_ds_config_names_the_flag(tmp_path):
         assert info.value.field == "--ds-config"
 
 
-@pytest.mark.parametrize("bad", ["0", "-3", "abc", "1.5", ""])
+@pytest.mark.parametrize("bad", ["0", "-3", "abc", "1.5", "", str(2**40 + 1), "9" * 5000])
 def test_sizes_must_be_positive_integers(bad):
     with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
         options.positive_int(bad)

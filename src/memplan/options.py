@@ -68,6 +68,10 @@ DS_KEY_OF_FIELD: dict[str, str] = {
     "offload_param": "zero_optimization.offload_param.device",
 }
 
+#: the largest count a flag takes (2**40 tokens, ranks or steps is far beyond any real job; keeps byte
+#: arithmetic in the estimator exact in float64 where it divides)
+MAX_FLAG_INT = 2**40
+
 _LAYOUT_FIELDS = ("world", "gpus_per_node", "tp", "pp", "sp")
 _CHOICES = {
     "zero": (0, 1, 2, 3),
@@ -80,13 +84,16 @@ _CHOICES = {
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a message argparse prefixes with the flag)."""
+    """argparse type: an integer in 1..2**40 (a message argparse prefixes with the flag)."""
     try:
         value = int(str(text).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: a positive integer") from None
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "…"
+        raise argparse.ArgumentTypeError(f"{shown} is not an integer; allowed: a positive integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive; allowed: a positive integer")
+    if value > MAX_FLAG_INT:
+        raise argparse.ArgumentTypeError(f"{value} is too large; allowed: a positive integer up to 2**40")
     return value
 
 
