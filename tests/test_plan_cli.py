@@ -90,6 +90,7 @@ def test_user_config_is_placed_or_refused(capsys):
     (["--target", "-3GiB"], "--target"),
     (["--emit", "100000"], "--emit"),
     (["--ds-config", "/no/such/file.json"], "ds-config"),
+    (["--global-batch", "7", "--max-sp", "1", "--max-tp", "1", "--max-pp", "1"], "plan"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, field):
     assert main(SMALL + argv) == 2

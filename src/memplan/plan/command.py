@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
 
     space, notes = space_from_args(args)
     result = search(space)
+    if result.searched == 0:
+        why = ", ".join(f"{k} ({v})" for k, v in result.invalid.items()) or "the exclusions leave nothing"
+        raise InputError("plan", f"no valid configuration to search: {why}; allowed: a global batch divisible by "
+                                 "some data-parallel size, and exclusions that leave a layout")
     user, user_lines = None, []
     if args.ds_config or args.launch_file:
         from .user import user_verdict
