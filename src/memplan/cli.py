@@ -94,12 +94,13 @@ def _target_bytes(text: str | None) -> int | None:
     from .units import parse_size_bytes
 
     allowed = "allowed: a positive size with a unit, such as 24GiB or 80GB"
+    shown = repr(text[:40]) + ("…" if len(text) > 40 else "")
     if not any(c.isalpha() for c in text):
-        raise InputError("--target", f"{text!r} has no unit; {allowed}")
+        raise InputError("--target", f"{shown} has no unit; {allowed}")
     try:
         return parse_size_bytes(text)
     except (ValueError, OverflowError):
-        raise InputError("--target", f"{text!r} is not a size; {allowed}") from None
+        raise InputError("--target", f"{shown} is not a size; {allowed}") from None
 
 
 def _add_estimate(sub) -> None:

@@ -123,4 +123,5 @@ def resolve_gpu(text: str) -> GpuSpec:
         except (ValueError, OverflowError) as err:
             raise InputError("--gpu", f"{err}; {_allowed()}") from None
         return GpuSpec(name=str(text).strip(), memory_bytes=size, source="capacity given on the command line")
-    raise InputError("--gpu", f"unknown GPU {str(text)!r}; {_allowed()}")
+    shown = repr(str(text)[:40]) + ("…" if len(str(text)) > 40 else "")
+    raise InputError("--gpu", f"unknown GPU {shown}; {_allowed()}")
