@@ -108,3 +108,18 @@ def test_nothing_fits_keeps_the_closest():
     ratios = [max(c.device_total_bytes / sp_.target_bytes, c.host_bytes_per_node / sp_.host_ram_bytes_per_node)
               for c in result.closest]
     assert ratios == sorted(ratios)
+
+
+@settings(max_examples=150, deadline=None)
+@given(heads=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), layers=st.integers(1, 6), seq=st.sampled_from([6, 8, 12, 16]),
+       tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 8]), sp=st.sampled_from([1, 2, 3, 4]))
+def test_layout_problem_agrees_with_check_rules(heads, layers, seq, tp, pp, sp):
+    """For multi-head models within max_position_embeddings and at least pp layers, plan's rules and memplan
+    check's agree (check only warns about fewer layers than pp; the Job validator refuses it)."""
+    from memplan.plan.space import check_problem
+
+    layers = max(layers, pp)
+    m = ModelSpec(name="t", family="llama", hidden_size=heads * 4, num_layers=layers, num_heads=heads,
+                  num_kv_heads=heads, head_dim=4, intermediate_size=8, vocab_size=16, max_position_embeddings=64)
+    world = tp * pp * sp
+    assert (layout_problem(m, seq, tp, pp, sp) is None) == (check_problem(m, seq, world, tp, pp, sp) is None)

@@ -26,6 +26,7 @@ from .space import (
     OFFLOAD_ORDER,
     PlanSpace,
     attention_problem,
+    check_problem,
     divisors,
     layout_problem,
     zero_problem,
@@ -131,7 +132,8 @@ def _layouts(space: PlanSpace, invalid: dict[str, int]) -> Iterator[Layout]:
             for sp in divisors(space.world // (tp * pp)):
                 if tp > max_tp or pp > max_pp or sp > max_sp:
                     continue
-                problem = layout_problem(space.model, space.seq_len, tp, pp, sp)
+                problem = layout_problem(space.model, space.seq_len, tp, pp, sp) or check_problem(
+                    space.model, space.seq_len, space.world, tp, pp, sp)
                 dp = space.world // (tp * pp * sp)
                 if problem is None and space.global_batch % dp:
                     problem = "global batch not divisible by dp"

@@ -1,11 +1,14 @@
 """The search space of `memplan plan`: what may vary, and which combinations are valid layouts.
 
 The rules here mirror the Job validators in memplan.specs (and DeepSpeed's own assertions, cited there) so
-that candidates can be built with `model_construct` without re-validating each one; a test checks that
-`layout_problem` agrees with the Job validator on generated layouts.
+that candidates can be built with `model_construct` without re-validating each one; tests check that
+`layout_problem` agrees with the Job validator, and with `memplan check`'s rules (memplan.check.rules_job),
+which `check_problem` applies once per layout on top (model-level rules such as seq ≤ max_position_embeddings).
 """
 
 from __future__ import annotations
+
+import re
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -101,6 +104,21 @@ def layout_problem(m: ModelSpec, seq_len: int, tp: int, pp: int, sp: int) -> str
     if pp > 1 and m.num_layers < pp:
         return "fewer layers than pp"
     return None
+
+
+def check_problem(m: ModelSpec, seq_len: int, world: int, tp: int, pp: int, sp: int) -> str | None:
+    """The first error `memplan check` (memplan.check.rules_job) reports for this layout, or None.
+
+    Adds check's model-level rules (e.g. seq beyond max_position_embeddings, hidden not divisible by heads)
+    to layout_problem's; called once per layout, not per candidate.
+    """
+    from ..check.rules_job import Layout as CheckLayout
+    from ..check.rules_job import model_shape_rules, parallel_rules
+
+    lay = CheckLayout(world=world, tp=tp, pp=pp, sp=sp, sp_intended=sp)
+    findings = parallel_rules(lay, 0, False, None) + model_shape_rules(m, lay, seq_len)
+    errors = [f for f in findings if f.severity == "error"]
+    return re.sub(r"\s*\([^()]*\)$", "", errors[0].message) if errors else None  # without the citation
 
 
 def zero_problem(stage: int, pp: int, offload_optimizer: str, offload_param: str) -> str | None:
