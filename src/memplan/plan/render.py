@@ -15,6 +15,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "zero": c.zero, "tp": c.tp, "pp": c.pp, "sp": c.sp, "dp": c.dp,
         "offload_optimizer": c.offload_optimizer, "offload_param": c.offload_param,
         "checkpointing": c.checkpointing, "attention": c.attention,
+        "same_as_attention": list(c.same_as_attention),
         "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
         "peak_allocated_bytes": c.peak_allocated_bytes, "peak_reserved_bytes": c.peak_reserved_bytes,
         "device_total_bytes": c.device_total_bytes, "host_bytes_per_node": c.host_bytes_per_node,
@@ -68,7 +69,8 @@ def _size(n: int) -> str:
 def _row(i: int, c: Candidate) -> list[str]:
     off = "/".join(x if x != "none" else "-" for x in (c.offload_optimizer, c.offload_param))
     return [
-        str(i), str(c.zero), off, f"{c.tp}/{c.pp}/{c.sp}/{c.dp}", c.checkpointing, c.attention,
+        str(i), str(c.zero), off, f"{c.tp}/{c.pp}/{c.sp}/{c.dp}", c.checkpointing,
+        " = ".join((c.attention, *c.same_as_attention)),
         f"{c.micro_batch}×{c.grad_accum}", fmt_gib(c.peak_allocated_bytes, 1), fmt_gib(c.device_total_bytes, 1),
         _size(c.host_bytes_per_node), _size(c.nvme_bytes_per_node), f"{c.step_time_s:,.1f}",
         f"{c.tokens_per_s:,.0f}", c.binding if c.fits else "over " + ", ".join(c.misses),
@@ -109,7 +111,8 @@ def render(result: PlanResult, top: int, notes: list[str], console, user_lines: 
     """Print the plan: the fitting rows (or the closest misses, said plainly), assumptions, counts."""
     space = result.space
     if result.candidates:
-        console.print(_table(f"{result.feasible} of {result.searched} configurations fit; fastest {top}",
+        console.print(_table(f"{result.feasible} of {result.searched} configurations fit; the fastest "
+                             f"{min(top, len(result.candidates))} of {len(result.candidates)} distinct rows",
                              list(result.candidates[:top])))
     else:
         console.print(f"[bold red]No configuration fits[/] {fmt_gib(space.target_bytes)} per GPU with host RAM "

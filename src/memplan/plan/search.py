@@ -88,6 +88,7 @@ class Candidate(NamedTuple):
     tokens_per_s: float
     misses: tuple[str, ...]  # why it does not fit: "target", "host RAM", "NVMe"; empty when it fits
     binding: str  # memory / compute / comm / offload / bubble
+    same_as_attention: tuple[str, ...] = ()  # other attention implementations with identical memory and time
 
     @property
     def fits(self) -> bool:
@@ -103,11 +104,8 @@ class PlanResult:
     closest: tuple[Candidate, ...]
     searched: int  # valid configurations covered (evaluated + skipped by pruning)
     evaluated: int  # configurations the estimator and the perf model ran on
+    feasible: int = 0  # evaluated configurations that fit (rows merged by attention count separately)
     invalid: dict[str, int] = field(default_factory=dict)  # dropped combinations by rule
-
-    @property
-    def feasible(self) -> int:
-        return len(self.candidates)
 
 
 class _Combo(NamedTuple):
@@ -276,10 +274,31 @@ def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, 
         skipped += combo_skipped
         for cand in cands:
             (feasible if cand.fits else misses).append(cand)
-    feasible.sort(key=lambda c: (c.step_time_s, c.device_total_bytes))
-    misses.sort(key=lambda c: (_overshoot(space, c), c.step_time_s))
+    n_feasible = len(feasible)
+    feasible = _merge_attention(sorted(feasible, key=lambda c: (c.step_time_s, c.device_total_bytes)))
+    misses = _merge_attention(sorted(misses, key=lambda c: (_overshoot(space, c), c.step_time_s)))
     return PlanResult(space=space, candidates=tuple(feasible), closest=tuple(misses[:keep_closest]),
-                      searched=evaluate.count + skipped, evaluated=evaluate.count, invalid=invalid)
+                      searched=evaluate.count + skipped, evaluated=evaluate.count, feasible=n_feasible,
+                      invalid=invalid)
+
+
+def _merge_attention(rows: list[Candidate]) -> list[Candidate]:
+    """One row per configuration that differs only in an attention implementation with identical memory and
+    step time (flash and sdpa often are): the first in ATTENTION_ORDER stays, the others are named in it."""
+    kept: dict[tuple, int] = {}
+    out: list[Candidate] = []
+    for c in rows:
+        key = (c.zero, c.tp, c.pp, c.sp, c.offload_optimizer, c.offload_param, c.checkpointing, c.micro_batch,
+               c.device_total_bytes, c.peak_allocated_bytes, c.host_bytes_per_node, c.nvme_bytes_per_node,
+               c.step_time_s)
+        if key in kept:
+            i = kept[key]
+            first, second = sorted((out[i], c), key=lambda x: ATTENTION_ORDER.index(x.attention))
+            out[i] = first._replace(same_as_attention=(*first.same_as_attention, second.attention))
+            continue
+        kept[key] = len(out)
+        out.append(c)
+    return out
 
 
 def _overshoot(space: PlanSpace, c: Candidate) -> float:

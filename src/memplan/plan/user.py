@@ -65,12 +65,12 @@ def user_verdict(args: argparse.Namespace, result: PlanResult) -> tuple[dict[str
     cand = make_candidate(space, job, default_peak_fn()(job))
     faster = sum(1 for c in result.candidates if c.tokens_per_s > cand.tokens_per_s)
     out = {"runs": True, "fits": cand.fits, "misses": list(cand.misses), "candidate": candidate_dict(cand),
-           "rank_by_tokens_per_s": faster + 1 if cand.fits else None, "of": result.feasible}
+           "rank_by_tokens_per_s": faster + 1 if cand.fits else None, "of": len(result.candidates)}
     t, lay = job.training, job.layout
     what = (f"ZeRO-{t.zero.stage}, tp/pp/sp {lay.tp}/{lay.pp}/{lay.sp}, micro {t.micro_batch}×{t.grad_accum}, "
             f"{t.checkpointing} checkpointing, offload {t.zero.offload_optimizer}/{t.zero.offload_param}")
     if cand.fits:
-        line = (f"[bold]your configuration[/] ({what}) fits and would rank #{faster + 1} of {result.feasible + 1} "
+        line = (f"[bold]your configuration[/] ({what}) fits and would rank #{faster + 1} of {len(result.candidates) + 1} "
                 f"by tokens/s ({cand.tokens_per_s:,.0f})")
     else:
         line = (f"[bold]your configuration[/] ({what}) does not fit: misses {', '.join(cand.misses)} "
