@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -123,3 +124,20 @@ def test_layout_problem_agrees_with_check_rules(heads, layers, seq, tp, pp, sp):
                   num_kv_heads=heads, head_dim=4, intermediate_size=8, vocab_size=16, max_position_embeddings=64)
     world = tp * pp * sp
     assert (layout_problem(m, seq, tp, pp, sp) is None) == (check_problem(m, seq, world, tp, pp, sp) is None)
+
+
+@pytest.mark.parametrize("model, seq, world, target_gib", [
+    ("qwen2.5-0.5b", 4096, 8, 16), ("tinymixtral", 2048, 4, 8), ("gpt2-xl", 1024, 8, 24), ("llama-3-8b", 8192, 16, 40),
+])
+def test_pruning_is_exact_with_the_real_estimator(model, seq, world, target_gib):
+    """The pruning rules rest on the estimator's monotonicity (micro-batch, checkpointing): check it holds."""
+    pytest.importorskip("memplan.estimator")
+    sp_ = space(model=model, seq=seq, world=world, target_gib=target_gib, host_ram_bytes_per_node=10**11,
+                nvme_bytes_per_node=10**12, max_micro_batch=4)
+    pruned, full = search(sp_), search(sp_, prune=False)
+
+    def key(c):
+        return (c.zero, c.tp, c.pp, c.sp, c.offload_optimizer, c.offload_param, c.checkpointing, c.attention,
+                c.micro_batch)
+    assert {key(c) for c in pruned.candidates} == {key(c) for c in full.candidates}
+    assert pruned.feasible == full.feasible
