@@ -141,3 +141,18 @@ def test_pruning_is_exact_with_the_real_estimator(model, seq, world, target_gib)
                 c.micro_batch)
     assert {key(c) for c in pruned.candidates} == {key(c) for c in full.candidates}
     assert pruned.feasible == full.feasible
+
+
+def test_selective_is_searched_only_when_the_estimator_models_it():
+    sp_ = space(checkpointing=("selective", "none"))
+    modelled = search(sp_, fake_quick_peak, prune=False)
+    assert any(c.checkpointing == "selective" for c in modelled.candidates) and not modelled.notes
+
+    def selective_as_none(job):
+        t = job.training
+        if t.checkpointing == "selective":
+            job = job.model_copy(update={"training": t.model_copy(update={"checkpointing": "none"})})
+        return fake_quick_peak(job)
+    unmodelled = search(sp_, selective_as_none, prune=False)
+    assert all(c.checkpointing == "none" for c in unmodelled.candidates + unmodelled.closest)
+    assert unmodelled.notes

@@ -26,7 +26,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
     }
 
 
-def assumptions(space: PlanSpace, notes: list[str]) -> dict[str, Any]:
+def assumptions(space: PlanSpace, notes: list[str], space_notes: tuple[str, ...] = ()) -> dict[str, Any]:
     """Everything the ranking rests on, for the output and --json."""
     return {
         "performance": space.perf.model_dump(),
@@ -41,7 +41,7 @@ def assumptions(space: PlanSpace, notes: list[str]) -> dict[str, Any]:
         "seq_len": space.seq_len,
         "world": space.world,
         "gpus_per_node": space.gpus_per_node,
-        "notes": notes,
+        "notes": [*notes, *space_notes],
         "docs": "docs/performance-model.md",
     }
 
@@ -51,7 +51,7 @@ def plan_dict(result: PlanResult, top: int, notes: list[str], user: dict | None 
     out = {
         "candidates": [candidate_dict(c) for c in result.candidates[:top]],
         "closest": [] if result.candidates else [candidate_dict(c) for c in result.closest[:top]],
-        "assumptions": assumptions(result.space, notes),
+        "assumptions": assumptions(result.space, notes, result.notes),
         "searched": result.searched,
         "evaluated": result.evaluated,
         "feasible": result.feasible,
@@ -123,5 +123,5 @@ def render(result: PlanResult, top: int, notes: list[str], console, user_lines: 
         console.print(line)
     console.print(f"searched {result.searched}, evaluated {result.evaluated}, feasible {result.feasible}; "
                   "dropped as invalid: " + (", ".join(f"{k} ({v})" for k, v in result.invalid.items()) or "none"))
-    for line in _assumption_lines(space, notes):
+    for line in _assumption_lines(space, [*notes, *result.notes]):
         console.print(f"[dim]assumption: {line}[/]")

@@ -106,6 +106,7 @@ class PlanResult:
     evaluated: int  # configurations the estimator and the perf model ran on
     feasible: int = 0  # evaluated configurations that fit (rows merged by attention count separately)
     invalid: dict[str, int] = field(default_factory=dict)  # dropped combinations by rule
+    notes: tuple[str, ...] = ()  # what the search changed about the space, and why
 
 
 class _Combo(NamedTuple):
@@ -265,6 +266,13 @@ def _search_combo(space: PlanSpace, combo: _Combo, evaluate: _Evaluator, prune: 
 def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, keep_closest: int = 20) -> PlanResult:
     """Every valid configuration of ``space``; the feasible ones by step time (ties: less device memory)."""
     evaluate = _Evaluator(space, peak_fn or default_peak_fn())
+    notes: tuple[str, ...] = ()
+    if "selective" in space.checkpointing and not _selective_modelled(evaluate):
+        space = space.model_copy(update={"checkpointing": tuple(c for c in space.checkpointing if c != "selective")
+                                         or ("none",)})
+        evaluate.space = space
+        notes = (("checkpointing selective skipped: the estimator gives it the same memory as none "
+                 "(not modelled yet)"),)
     invalid: dict[str, int] = {}
     feasible: list[Candidate] = []
     misses: list[Candidate] = []
@@ -279,7 +287,19 @@ def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, 
     misses = _merge_attention(sorted(misses, key=lambda c: (_overshoot(space, c), c.step_time_s)))
     return PlanResult(space=space, candidates=tuple(feasible), closest=tuple(misses[:keep_closest]),
                       searched=evaluate.count + skipped, evaluated=evaluate.count, feasible=n_feasible,
-                      invalid=invalid)
+                      invalid=invalid, notes=notes)
+
+
+def _selective_modelled(evaluate: _Evaluator) -> bool:
+    """Whether the estimator tells selective checkpointing from none (a probe: one layout, micro-batch 1)."""
+    s = evaluate.space
+    layout = Layout.model_construct(world=s.world, gpus_per_node=s.gpus_per_node)
+    if s.global_batch % layout.dp:
+        return True  # cannot probe; keep the user's choice
+    combo = _Combo(layout, TrainingSpec.model_construct(seq_len=s.seq_len, dtype=s.dtype,
+                                                        zero=ZeroSpec.model_construct(stage=3)))
+    peaks = [evaluate.peak_fn(evaluate.job(combo, ckpt, "sdpa", 1)) for ckpt in ("selective", "none")]
+    return peaks[0].peak_allocated_bytes != peaks[1].peak_allocated_bytes
 
 
 def _merge_attention(rows: list[Candidate]) -> list[Candidate]:
