@@ -4,8 +4,8 @@ step time (perf.step_time); the feasible ones ranked by step time, the closest m
 Speed: layouts and ZeRO sections are validated once and candidate Jobs are assembled with `model_construct`
 (the rules were already applied by space.*_problem). Pruning, in memory-saving order:
 - micro-batches ascend; once one misses the target, larger ones are skipped (activations only grow) — except
-  the last (grad_accum 1), which is evaluated too, since a single micro-step drops ZeRO-2's second gradient
-  buffer and so is not covered by the argument;
+  the largest (fewest micro-steps), which is evaluated too: a single micro-step drops ZeRO-2's second
+  gradient buffer, so memory need not grow all the way;
 - checkpointing goes full → selective → none; if the smallest micro-batch misses under one, the ones that keep
   more activations are skipped;
 - host RAM / NVMe needs do not depend on the micro-batch, checkpointing or attention: one miss skips the rest
@@ -217,7 +217,7 @@ def _micro_chain(combo: _Combo, ckpt: str, attention: str, micros: list[int], ev
     """Micro-batches ascending for one (combo, checkpointing, attention): (evaluated, skipped).
 
     A host RAM / NVMe miss stops the chain at once (the caller skips the rest of the combination). A target
-    miss skips the larger micro-batches except the last one (grad_accum 1).
+    miss skips the larger micro-batches except the largest.
     """
     out: list[Candidate] = []
     for j, micro in enumerate(micros):

@@ -85,8 +85,9 @@ class PlanSpace(BaseModel):
 
 
 def divisors(n: int) -> list[int]:
-    """Divisors of n, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n, ascending (trial division up to √n)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def layout_problem(m: ModelSpec, seq_len: int, tp: int, pp: int, sp: int) -> str | None:
