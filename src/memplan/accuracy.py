@@ -61,7 +61,7 @@ def compare_rows(rows) -> list[Comparison]:
         if row.get("status") != "ok":
             continue
         for name, job, measured, phase in _measured_points(row):
-            q = quick_peak(job)
+            q = quick_peak(job, rank0=row.get('mode', 'emulated') == 'emulated')
             out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase))
     return out
 

@@ -26,9 +26,11 @@ def _ranks_per_node(job: Job) -> int:
     return min(job.layout.world, job.layout.gpus_per_node)
 
 
-def quick_peak(job: Job) -> QuickPeak:
-    """Peak allocated, reserved, device total, host and NVMe per node, and the peak phase."""
-    phases = build_phases(job)
+def quick_peak(job: Job, rank0: bool = False) -> QuickPeak:
+    """Peak allocated, reserved, device total, host and NVMe per node, and the peak phase.
+
+    ``rank0``: rank 0's figures instead of the most loaded rank's (what an emulated verify measures)."""
+    phases = build_phases(job, rank0)
     name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
     peak = sum(p[1] for p in parts)
     st = model_states(job, rank_share(job))

@@ -28,6 +28,9 @@ class RankShare:
     zero3_partition: int  # Σ ceil(numel / N) over this rank's parameters (ZeRO-3 pads each param)
     zero3_persistent: int  # numel of params at or under stage3_param_persistence_threshold
     embedding: int  # word / position embeddings on this rank
+    modules: tuple[int, ...]  # numel of each module's non-persistent params, in forward order (ZeRO-3 fetches)
+    zero2_grad_buffer: int  # Σ numel of params overlapping the most loaded rank's ZeRO-1/2 partition
+    zero2_grad_buffer_rank0: int  # the same for rank 0 (what an emulated run measures)
 
 
 def _sharded(name: str) -> bool:
@@ -40,6 +43,7 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int) -> RankShar
     tensors = parameter_tensors(model)
     layers_here = -(-model.num_layers // pp)
     numels = []
+    module_numels: dict[str, int] = {}
     per_layer = head = embedding = 0
     for t in tensors:
         if t.layer is not None and t.layer >= layers_here:
@@ -51,6 +55,9 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int) -> RankShar
         if pp > 1 and "lm_head" in t.name:
             continue
         numels.append(numel)
+        if numel > persist:
+            module = t.name.rsplit(".", 1)[0]
+            module_numels[module] = module_numels.get(module, 0) + numel
         if t.layer == 0:
             per_layer += numel
         elif t.layer is None and t.name.endswith(("wte.weight", "embed_tokens.weight", "word_embeddings.weight",
@@ -58,13 +65,32 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int) -> RankShar
             embedding += numel
         if "lm_head" in t.name or "embed_out" in t.name:
             head += numel
-    if not head:  # tied: lm_head is the word embedding
-        head = next(t.numel for t in tensors) // (max(1, tp))
+    modules = list(module_numels.values())
+    if not head:  # tied: lm_head is the word embedding, fetched again after the final norm
+        head = next(t.numel for t in tensors) // max(1, tp)
+        modules.append(head)
     return RankShare(
         params=sum(numels), per_layer=per_layer, layers=layers_here, head=head, largest=max(numels),
         zero3_partition=sum(-(-x // n) for x in numels),
         zero3_persistent=sum(x for x in numels if x <= persist), embedding=embedding,
+        modules=tuple(modules), zero2_grad_buffer=max(_zero2_buffers(numels, n)),
+        zero2_grad_buffer_rank0=_zero2_buffers(numels, n)[0],
     )
+
+
+def _zero2_buffers(numels: list[int], n: int) -> list[int]:
+    """ZeRO-1/2 grads_in_partition per rank: the whole of every parameter that overlaps the rank's partition
+    (stage_1_and_2.py copy_grads_in_partition: Σ param.numel() over params_in_partition); partitions cut
+    the flat buffer, padded to 2N elements, in N equal parts."""
+    size = -(-sum(numels) // (2 * n)) * 2
+    per_rank = [0] * n
+    start = 0
+    for x in numels:
+        if x:
+            for r in range(start // size, min(n - 1, (start + x - 1) // size) + 1):
+                per_rank[r] += x
+        start += x
+    return per_rank
 
 
 def rank_share(job: Job) -> RankShare:

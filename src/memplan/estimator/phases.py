@@ -1,14 +1,18 @@
 """The phases of one training step on the most loaded rank, each a list of parts alive at that moment.
 
-A step (after the first, so optimizer states exist): forward to the loss, backward from the loss down to
-layer 0, the optimizer step. Parts are (name, bytes, detail) tuples; estimator/__init__ turns them into
-typed results. Model states come from states.py, activations from activations.py and head.py.
+A step after the first (optimizer states exist; ZeRO-3 has its trace and keeps reused parameters): forward
+to the loss, backward from the loss down to layer 0, the optimizer step. With gradient accumulation the
+later micro-steps also carry the gradients of the earlier ones. Parts are (name, bytes, detail) tuples;
+estimator/__init__ turns them into typed results. Model states come from states.py, activations from
+activations.py and head.py.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..specs import Job
-from ..units import dtype_bytes
+from ..units import MiB, dtype_bytes
 from . import activations as act
 from . import head
 from .layout import RankShare, rank_share
@@ -16,9 +20,14 @@ from .states import States, stage0, stage3, stage12
 
 Part = tuple  # (name, bytes, detail)
 
+#: cuBLAS and cuBLASLt workspaces that torch serves from its caching allocator (torch/csrc/cuda/
+#: CublasHandlePool.cpp): 32 MiB each on Hopper, taken at the first matmul and kept. Seen in every
+#: measured run as 64 MiB that appears in the first step and never leaves.
+CUBLAS_WORKSPACE_BYTES = 64 * MiB
 
-def model_states(job: Job, share: RankShare) -> States:
-    """Resolve the ZeRO stage's state bytes for this rank."""
+
+def model_states(job: Job, share: RankShare, rank0: bool = False) -> States:
+    """Resolve the ZeRO stage's state bytes for this rank (``rank0``: rank 0 instead of the most loaded)."""
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
     g = dtype_bytes(t.grad_accum_dtype or t.dtype)
@@ -27,106 +36,119 @@ def model_states(job: Job, share: RankShare) -> States:
     if z.stage == 0:
         return stage0(share.params, b, t.optimizer)
     if z.stage in (1, 2):
-        return stage12(z.stage, share.params, n, b, g, c, z.reduce_bucket_size, z.overlap, share.largest,
-                       t.optimizer, z.offload_optimizer)
-    persistent = b * share.zero3_persistent
-    return stage3(share.zero3_partition, persistent, b, g, c, z.reduce_bucket_size, t.optimizer,
-                  z.offload_optimizer, z.offload_param, z.sub_group_size)
+        buffer = share.zero2_grad_buffer_rank0 if rank0 else share.zero2_grad_buffer
+        return stage12(z.stage, share.params, n, b, c, z.reduce_bucket_size, z.overlap, share.largest,
+                       buffer, t.grad_accum, t.optimizer, z.offload_optimizer)
+    return stage3(share.zero3_partition, b * share.zero3_persistent, b, g, c, z.reduce_bucket_size,
+                  t.optimizer, z.offload_optimizer, z.offload_param, z.sub_group_size)
 
 
 def zero3_turn_gathered(job: Job, share: RankShare) -> int:
-    """ZeRO-3 parameters still gathered at the forward→backward turn, in elements.
+    """ZeRO-3 parameters gathered at the forward→backward turn, in elements.
 
     PartitionedParameterCoordinator.__params_to_release (runtime/zero/partitioned_param_coordinator.py)
-    keeps a released module's params when they reappear within stage3_max_reuse_distance elements of the
-    trace; a module with X elements after it in forward reappears in backward after about 2·X. Plus the
-    prefetch of up to stage3_prefetch_bucket_size elements for the next modules.
+    keeps a module's params when, walking the trace onward, they reappear before stage3_max_reuse_distance
+    elements have gone by: measured, a module is kept when the modules after it in forward hold fewer than
+    that many elements. The prefetch may then add modules up to min(stage3_prefetch_bucket_size,
+    stage3_max_live_parameters − available), overshooting by the last module it takes.
     """
     z = job.training.zero
-    reuse = z.stage3_max_reuse_distance
-    kept = share.head if 0 < reuse else 0
-    after = share.head
-    for _ in range(share.layers):
-        if 2 * after >= reuse:
+    kept = after = 0
+    skipped = []
+    for numel in reversed(share.modules):
+        if after < z.stage3_max_reuse_distance:
+            kept += numel
+        else:
+            skipped.append(numel)
+        after += numel
+    budget = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters - kept + share.head)
+    fetched = 0
+    for numel in skipped:
+        if fetched >= budget:
             break
-        kept += share.per_layer
-        after += share.per_layer
-    return kept + min(z.stage3_prefetch_bucket_size, max(0, share.params - kept))
+        fetched += numel
+    return kept + fetched
 
 
-def build_phases(job: Job) -> list[tuple[str, list[Part]]]:
+def build_phases(job: Job, rank0: bool = False) -> list[tuple[str, list[Part]]]:
     """All modelled moments of a step, each with the parts alive then."""
     t, z, lay, m = job.training, job.training.zero, job.layout, job.model
     b = dtype_bytes(t.dtype)
     share = rank_share(job)
-    st = model_states(job, share)
+    st = model_states(job, share, rank0)
     tokens = job.tokens_per_rank
     seq_attn = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
     layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn) * tokens
-    if t.checkpointing == "full":
-        layer_saved = act.layer_input_bytes_per_token(m, b) * tokens
-    else:
-        layer_saved = layer_full
+    layer_saved = act.layer_input_bytes_per_token(m, b) * tokens if t.checkpointing == "full" else layer_full
+    recompute = layer_full if t.checkpointing == "full" else 0
     in_flight = min(lay.pp, t.grad_accum) if lay.pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
     head_saved = sum(x.bytes_per_token for x in head.saved_terms(m, b)) * tokens
     lsm = 4 * m.vocab_size * tokens
-    acts_all = in_flight * share.layers * layer_saved
+    acts_all = in_flight * share.layers * layer_saved + head_saved
     transient = act.backward_transient_bytes_per_token(m, b, t.attention, seq_attn) * tokens
-    recompute = layer_full if t.checkpointing == "full" else 0
 
-    base = [("params_16bit", st.params_16bit, "16-bit parameters"),
-            ("params_persistent", st.params_persistent, "ZeRO-3 persistent (gathered) parameters"),
+    base = [("params_16bit", st.params_16bit, "16-bit parameters (ZeRO-3: this rank's partitions)"),
+            ("params_persistent", st.params_persistent, "ZeRO-3 persistent (always gathered) parameters"),
             ("master_params_fp32", st.master_fp32, "fp32 master weights"),
-            ("optimizer_states", st.optimizer_states, "optimizer states")]
+            ("optimizer_states", st.optimizer_states, "optimizer states"),
+            ("offload_staging", st.offload_staging, "GPU staging buffer for offload"),
+            ("cuda_workspaces", CUBLAS_WORKSPACE_BYTES, "cuBLAS / cuBLASLt workspaces")]
     if z.stage == 3:
-        gathered = b * zero3_turn_gathered(job, share)
-        base.append(("params_gathered", gathered, "ZeRO-3 gathered working set at the turn"))
-        base.append(("gradients", st.grads_resident, "ZeRO-3 gradient partitions"))
-    accum_grads = 0
-    if t.grad_accum > 1 and z.stage in (0, 1):
-        accum_grads = st.grads_resident  # previous micro-steps' grads stay until the boundary
+        base += [("params_gathered", b * zero3_turn_gathered(job, share), "ZeRO-3 gathered working set"),
+                 ("gradients", st.grads_resident, "ZeRO-3 gradient partitions"),
+                 ("grad_bucket", st.grad_bucket, "ZeRO-3 IPG bucket (allocated at initialize)")]
+    # what earlier micro-steps leave for the next one
+    carried: list[Part] = []
+    if t.grad_accum > 1 and z.stage == 0:
+        carried = [("gradients", st.grads_full, "accumulated 16-bit gradients")]
+    elif t.grad_accum > 1 and z.stage == 1:
+        carried = [("gradients", st.grads_full, "full 16-bit gradients until the boundary"),
+                   ("grad_bucket", st.grad_bucket, "IPG bucket(s) held across micro-steps")]
     elif t.grad_accum > 1 and z.stage == 2:
-        accum_grads = st.grads_resident
-    fwd_base = base + ([("gradients", accum_grads, "accumulated gradients")] if z.stage != 3 else [])
-    offload = [("offload_staging", st.offload_staging, "GPU staging for offload")] if st.offload_staging else []
+        carried = [("gradients", st.grads_resident, "grads_in_partition across micro-steps")]
+    fwd = base + carried
 
-    phases = []
-    phases.append(("forward, loss", fwd_base + offload + [
-        ("activations", acts_all + head_saved, f"{share.layers} layers × {in_flight} micro-batch(es) + head"),
-        ("logits_loss", head.forward_loss_transient_per_token(m, b) * tokens, "logits and their fp32 upcast"),
-    ]))
-    phases.append(("backward, loss", fwd_base + offload + [
-        ("activations", acts_all + head_saved, "all layers + head"),
-        ("logits_loss", head.backward_loss_transient_per_token(m, b) * tokens, "nll and log_softmax grads"),
-    ]))
-    # grads while walking down the layers
-    if z.stage in (0, 1):
-        grads_top = accum_grads or int(st.grads_accumulating_per_param * (share.head + share.per_layer))
-        grads_bottom = accum_grads or int(st.grads_accumulating_per_param * (share.params - share.embedding))
-        bucket = st.grad_bucket if z.stage == 1 else 0
-    elif z.stage == 2:
-        grads_top = grads_bottom = st.grads_resident
-        bucket = st.grad_bucket
+    if z.stage == 0:
+        grads_top, grads_bottom, bucket = b * (share.head + share.per_layer), st.grads_full, 0
+    elif z.stage in (1, 2):
+        grads_top, grads_bottom, bucket = 0, st.grads_resident, st.grad_bucket
     else:
-        grads_top = grads_bottom = 0
-        bucket = st.grad_bucket
-    phases.append(("backward, last layer", base + offload + [
-        ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
-        ("activations", acts_all + head_saved - lsm - (layer_saved - layer_full if recompute else 0),
-         "all layers (the last one recomputed)"),
-        ("layer_backward_transient", transient, "grads inside the layer's backward"),
-    ]))
-    phases.append(("backward, layer 0", base + offload + [
-        ("gradients", grads_bottom, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
-        ("activations", layer_saved * (in_flight - 1) * share.layers + recompute + layer_saved, "layer 0"),
-        ("layer_backward_transient", transient, "grads inside the layer's backward"),
-    ]))
-    step_grads = st.grads_resident if z.stage in (0, 1, 2) else 0
-    step_extra = st.step_transient
-    if t.optimizer == "torch_adamw" and st.optimizer_states:
-        step_extra += st.optimizer_states // 2  # foreach sqrt(exp_avg_sq) temporaries (torch/optim/adamw.py)
-    phases.append(("optimizer step", base + offload + [
-        ("gradients", step_grads, "gradients at the step"),
-        ("optimizer_step_transient", step_extra, "flattened / fp32 grads and optimizer temporaries"),
-    ]))
-    return phases
+        grads_top = grads_bottom = bucket = 0
+    if carried:
+        grads_top = grads_bottom = 0  # carried already holds them
+        bucket = 0 if z.stage == 1 else bucket
+
+    return [
+        ("forward, loss", fwd + [
+            ("activations", acts_all, f"{share.layers} layers × {in_flight} micro-batch(es) + outside layers"),
+            ("logits_loss", head.forward_loss_transient_per_token(m, b) * tokens, "logits and their fp32 upcast")]),
+        ("backward, loss", fwd + [
+            ("activations", acts_all, "all layers + outside layers"),
+            ("logits_loss", head.backward_loss_transient_per_token(m, b) * tokens, "nll and log_softmax grads")]),
+        ("backward, last layer", fwd + [
+            ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
+            ("activations", acts_all - lsm + recompute - (layer_saved if recompute else 0),
+             "all layers (the last one recomputed)"),
+            ("layer_backward_transient", transient, "grads inside the layer's backward")]),
+        ("backward, layer 0", fwd + [
+            ("gradients", grads_bottom, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
+            ("activations", layer_saved * (in_flight - 1) * share.layers + recompute + layer_saved * (not recompute),
+             "layer 0"),
+            ("layer_backward_transient", transient, "grads inside the layer's backward")]),
+        ("optimizer step", base + [
+            ("gradients", st.grads_full if z.stage == 0 else (st.grads_resident if z.stage != 3 else 0),
+             "gradients at the step"),
+            ("optimizer_step_transient", _step_transient(t.optimizer, st), "fp32 grads and optimizer temporaries")]),
+    ]
+
+
+def _step_transient(optimizer: str, st: States) -> int:
+    """Step temporaries: the stage's grad casts, plus torch AdamW's foreach sqrt(exp_avg_sq) (torch/optim/adamw.py)."""
+    extra = st.optimizer_states // 2 if optimizer == "torch_adamw" else 0
+    return st.step_transient + extra
+
+
+def peak_of(phases: list[tuple[str, list[Part]]], prefer: Optional[str] = None) -> tuple[str, list[Part], int]:
+    """The phase with the most bytes allocated: (name, parts, bytes)."""
+    name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
+    return name, parts, sum(p[1] for p in parts)

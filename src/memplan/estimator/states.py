@@ -27,12 +27,13 @@ class OptimizerKind:
 
 #: adamw: FusedAdam, exp_avg + exp_avg_sq (ops/adam/fused_adam.py); torch_adamw: torch.optim.AdamW
 #: (foreach: temporaries of the size of a parameter group, see step_transient); cpu_adam: DeepSpeedCPUAdam
-#: (states on the host); sgd: torch SGD without momentum keeps none; lion: exp_avg only.
+#: (states on the host); sgd: torch.optim.SGD with momentum (one momentum_buffer; memplan's SGD is
+#: momentum SGD, as `verify` configures it); lion: FusedLion, exp_avg only.
 OPTIMIZERS = {
     "adamw": OptimizerKind(2, True),
     "torch_adamw": OptimizerKind(2, False),
     "cpu_adam": OptimizerKind(2, True),
-    "sgd": OptimizerKind(0, True),
+    "sgd": OptimizerKind(1, True),
     "lion": OptimizerKind(1, True),
 }
 
@@ -46,17 +47,12 @@ class States:
     master_fp32: int  # fp32 master copy on the GPU
     optimizer_states: int  # optimizer states on the GPU (after the first step)
     grads_resident: int  # gradient bytes alive between backward and step on the GPU
-    grads_accumulating_per_param: float  # stage 0/1: grads grow with backward (bytes per param numel)
+    grads_full: int  # full 16-bit grads kept across micro-steps (stage 0; stage 1 with accumulation)
     grad_bucket: int  # IPG bucket(s) alive during backward
     step_transient: int  # extra bytes at the optimizer step's peak
     offload_staging: int  # GPU staging buffers for offload
     host_bytes: int  # pinned host RAM for this rank
     nvme_bytes: int  # NVMe bytes for this rank
-
-
-def _master_bytes(train_bytes: int) -> int:
-    """fp32 master weights exist when training in 16 bits (mixed precision, Micikevicius et al. 2018)."""
-    return 4 if train_bytes < 4 else 0
 
 
 def stage0(p: int, b: int, optimizer: str) -> States:
@@ -65,20 +61,25 @@ def stage0(p: int, b: int, optimizer: str) -> States:
     step() flattens [g.to(fp32)] → per-param fp32 copies (4P) plus the flat fp32 grad (4P), then frees
     the 16-bit grads. fp32 training: the plain torch optimizer, states of 4 bytes."""
     opt = OPTIMIZERS[optimizer]
-    master = _master_bytes(b) * p
+    master = 4 * p if b < 4 else 0  # mixed precision keeps fp32 masters (Micikevicius et al. 2018)
     state_bytes = (4 if master else b) * opt.states_per_param * p
     transient = 8 * p if master else 0
-    return States(b * p, 0, master, state_bytes, b * p, float(b), 0, transient, 0, 0, 0)
+    return States(b * p, 0, master, state_bytes, b * p, b * p, 0, transient, 0, 0, 0)
 
 
-def stage12(stage: int, p: int, n: int, b: int, g: int, c: int, bucket: int, overlap: bool,
-            largest: int, optimizer: str, offload: str) -> States:
+def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bool, largest: int,
+            grad_buffer: int, grad_accum: int, optimizer: str, offload: str) -> States:
     """ZeRO-1/2: runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.
 
-    - bit16_groups_flat: b·P padded to 2N elements; fp32 partition 4·P/N; optimizer states on it.
-    - stage 2: grads of the owned partition (g·P/N, grads_in_partition) plus the IPG bucket B_r·c
-      (×2 with overlap_comm) during backward; stage 1: full 16-bit grads accumulate (b·P).
-    - step: flatten of the grad partition (b·P/N) and its fp32 cast (4·P/N) while grads still live.
+    - bit16_groups_flat: b·P padded to 2N elements; the fp32 partition 4·P/N (a clone, also when training
+      in fp32: single_partition_of_fp32_groups); optimizer states on it.
+    - gradients: grads_in_partition, in the training dtype, holds the whole of every parameter that
+      overlaps the rank's partition (``grad_buffer`` elements; copy_grads_in_partition), allocated at the
+      first reduction and freed at the step. Stage 1 with gradient accumulation keeps the full 16-bit
+      grads (b·P) and the IPG bucket across non-boundary micro-steps, and reduces at the boundary.
+    - IPG bucket B_r·c (×2 with overlap_comm) from the first gradient hook to the end of backward.
+    - step: the fp32 cast of the grad partition and the unscaled/clipped copy (2 × 4·P/N) while the
+      16-bit grads still live.
     - offload_optimizer: master, fp32 grads and optimizer states on the host; a b·L GPU staging buffer
       (temp_grad_buffer_for_gpu_offload) and the bucket stay.
     """
@@ -86,19 +87,16 @@ def stage12(stage: int, p: int, n: int, b: int, g: int, c: int, bucket: int, ove
     p_pad = round_up(p, NCCL_START_ALIGNMENT_FACTOR * n)
     part = p_pad // n
     buckets = bucket * c * (2 if overlap else 1)
-    if stage == 1:
-        grads, per_param, grad_bucket = b * p_pad, float(b), buckets
-    else:
-        grads, per_param, grad_bucket = g * part, 0.0, buckets
+    grads = b * grad_buffer
+    full_grads = b * p_pad if stage == 1 and grad_accum > 1 else 0
     master = 4 * part
     states = 4 * opt.states_per_param * part
-    transient = b * part + 4 * part
+    transient = 8 * part
     if offload == "none":
-        return States(b * p_pad, 0, master, states, grads, per_param, grad_bucket, transient, 0, 0, 0)
+        return States(b * p_pad, 0, master, states, grads, full_grads, buckets, transient, 0, 0, 0)
     host = master + states + 4 * part + b * part + b * largest  # + fp32 grads, bit16 buffer, pinned grad temp
     nvme = master + states if offload == "nvme" else 0
-    return States(b * p_pad, 0, 0, 0, 0 if stage == 2 else grads, per_param, grad_bucket, 0,
-                  b * largest, host - nvme, nvme)
+    return States(b * p_pad, 0, 0, 0, 0, full_grads, buckets, 0, b * largest, host - nvme, nvme)
 
 
 def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, optimizer: str,
@@ -131,4 +129,4 @@ def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, o
             nvme += b * p3_part
         else:
             host += b * p3_part
-    return States(params, persistent, master, states, grads, 0.0, bucket * c, step, 0, host, nvme)
+    return States(params, persistent, master, states, grads, 0, bucket * c, step, 0, host, nvme)
