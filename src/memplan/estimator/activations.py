@@ -51,9 +51,25 @@ def _layernorm(b: int, width: int, name: str, input_shared: bool = False) -> lis
     return terms + [Term(f"{name}.stats", LN_STATS_BYTES, "mean, rstd [T] fp32")]
 
 
+def sdpa_backend(m: ModelSpec, b: int, attention: str) -> str:
+    """The kernel torch's scaled_dot_product_attention picks (aten/src/ATen/native/transformers/sdp_utils):
+    flash for 16-bit inputs with head_dim <= 256 and a multiple of 8; else memory-efficient, which refuses
+    grouped-query attention (enable_gqa); else the math fallback. 'eager' is transformers' eager path."""
+    if attention == "eager" or m.family == "bloom":
+        return "eager"
+    if b == 2 and m.head_dim <= 256 and m.head_dim % 8 == 0:
+        return "flash"
+    return "efficient" if m.num_kv_heads == m.num_heads else "math"
+
+
 def _attention_core(m: ModelSpec, b: int, attention: str, seq: int, qkv_fused: bool) -> list[Term]:
     """The attention kernel's saved tensors (per token of this rank) and the output projection's input."""
     q, kv, nh = m.q_dim, m.kv_dim, m.num_heads
+    backend = sdpa_backend(m, b, attention)
+    if backend == "math":  # _scaled_dot_product_attention_math: scaled q, repeated and scaled k, repeated v
+        return [Term("attn.math_qkv", 5 * b * q, "q (RoPE), q·√scale, repeat(k)·√scale, repeat(k), repeat(v)"),
+                Term("attn.math_probs", b * nh * seq, "softmax out [nh, S, S]"),
+                Term("attn.out_proj_input", b * q, "attention output made contiguous [T, q]")]
     if attention == "eager":
         probs = [Term("attn.scores_softmax", (4 if m.family != "gpt2" else b) * nh * seq,
                       f"softmax out [nh, S, S] {'fp32' if m.family != 'gpt2' else 'dtype'} (per token: nh·S)")]
@@ -127,7 +143,8 @@ def layer_terms(m: ModelSpec, b: int, attention: str, seq: int) -> tuple[Term, .
     elif m.family == "gpt_neox":
         terms = (_layernorm(b, h, "input_layernorm") + [Term("attn.proj_input", b * h, "[T, h]")]
                  + [Term("attn.qkv_fused", b * 3 * h, "[T, 3h] (v is a view)"),
-                    Term("attn.q", b * h, "rotary q [T, h]"), Term("attn.k", b * h, "rotary k [T, h]")]
+                    Term("attn.q", b * h, "rotary q [T, h]"), Term("attn.k", b * h, "rotary k [T, h]"),
+                    Term("attn.v_contiguous", b * h, "v copied out of the fused qkv for the kernel [T, h]")]
                  + _attention_core(m, b, attention, seq, qkv_fused=False)[3:]
                  + _layernorm(b, h, "post_attention_layernorm", input_shared=m.parallel_residual)
                  + _plain_mlp(m, b) + _dropout_masks(m, 2))
@@ -170,6 +187,6 @@ def backward_transient_bytes_per_token(m: ModelSpec, b: int, attention: str, seq
     mlp = 3 * b * m.intermediate_size * k + 2 * b * m.hidden_size
     q, kv = m.q_dim, m.kv_dim
     attn = b * (2 * q + 2 * kv) + 4 * q + 2 * b * m.hidden_size
-    if attention == "eager" or m.family == "bloom":
+    if sdpa_backend(m, b, attention) in ("eager", "math"):
         attn += 2 * 4 * m.num_heads * seq  # grad of the scores and of the softmax input [nh, S, S]
     return max(mlp, attn)

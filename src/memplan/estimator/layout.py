@@ -28,9 +28,12 @@ class RankShare:
     zero3_partition: int  # Σ ceil(numel / N) over this rank's parameters (ZeRO-3 pads each param)
     zero3_persistent: int  # numel of params at or under stage3_param_persistence_threshold
     embedding: int  # word / position embeddings on this rank
+    largest_layer_module: int  # numel of the largest module (linear) inside a transformer layer
     modules: tuple[int, ...]  # numel of each module's non-persistent params, in forward order (ZeRO-3 fetches)
     zero2_grad_buffer: int  # Σ numel of params overlapping the most loaded rank's ZeRO-1/2 partition
     zero2_grad_buffer_rank0: int  # the same for rank 0 (what an emulated run measures)
+    zero2_largest_piece: int  # largest single param ∩ partition on the most loaded rank (fp64 norm scratch)
+    zero2_largest_piece_rank0: int
 
 
 def _sharded(name: str) -> bool:
@@ -65,6 +68,7 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int) -> RankShar
             embedding += numel
         if "lm_head" in t.name or "embed_out" in t.name:
             head += numel
+    buffers, pieces = _zero2_buffers(numels, n)
     modules = list(module_numels.values())
     if not head:  # tied: lm_head is the word embedding, fetched again after the final norm
         head = next(t.numel for t in tensors) // max(1, tp)
@@ -73,24 +77,29 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int) -> RankShar
         params=sum(numels), per_layer=per_layer, layers=layers_here, head=head, largest=max(numels),
         zero3_partition=sum(-(-x // n) for x in numels),
         zero3_persistent=sum(x for x in numels if x <= persist), embedding=embedding,
-        modules=tuple(modules), zero2_grad_buffer=max(_zero2_buffers(numels, n)),
-        zero2_grad_buffer_rank0=_zero2_buffers(numels, n)[0],
+        largest_layer_module=max((v for k, v in module_numels.items() if ".layers." in k or ".h." in k),
+                                 default=0),
+        modules=tuple(modules), zero2_grad_buffer=max(buffers), zero2_grad_buffer_rank0=buffers[0],
+        zero2_largest_piece=pieces[buffers.index(max(buffers))], zero2_largest_piece_rank0=pieces[0],
     )
 
 
-def _zero2_buffers(numels: list[int], n: int) -> list[int]:
-    """ZeRO-1/2 grads_in_partition per rank: the whole of every parameter that overlaps the rank's partition
-    (stage_1_and_2.py copy_grads_in_partition: Σ param.numel() over params_in_partition); partitions cut
-    the flat buffer, padded to 2N elements, in N equal parts."""
+def _zero2_buffers(numels: list[int], n: int) -> tuple[list[int], list[int]]:
+    """Per rank: ZeRO-1/2 grads_in_partition, the whole of every parameter that overlaps the rank's partition
+    (stage_1_and_2.py copy_grads_in_partition: Σ param.numel() over params_in_partition), and the largest
+    overlap of one parameter with the partition (the biggest gradient piece the grad norm upcasts).
+    Partitions cut the flat buffer, padded to 2N elements, in N equal parts."""
     size = -(-sum(numels) // (2 * n)) * 2
-    per_rank = [0] * n
+    per_rank, piece = [0] * n, [0] * n
     start = 0
     for x in numels:
         if x:
             for r in range(start // size, min(n - 1, (start + x - 1) // size) + 1):
                 per_rank[r] += x
+                overlap = min(start + x, (r + 1) * size) - max(start, r * size)
+                piece[r] = max(piece[r], overlap)
         start += x
-    return per_rank
+    return per_rank, piece
 
 
 def rank_share(job: Job) -> RankShare:

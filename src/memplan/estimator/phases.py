@@ -9,8 +9,6 @@ activations.py and head.py.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..specs import Job
 from ..units import MiB, dtype_bytes
 from . import activations as act
@@ -38,7 +36,8 @@ def model_states(job: Job, share: RankShare, rank0: bool = False) -> States:
     if z.stage in (1, 2):
         buffer = share.zero2_grad_buffer_rank0 if rank0 else share.zero2_grad_buffer
         return stage12(z.stage, share.params, n, b, c, z.reduce_bucket_size, z.overlap, share.largest,
-                       buffer, t.grad_accum, t.optimizer, z.offload_optimizer)
+                       buffer, share.zero2_largest_piece_rank0 if rank0 else share.zero2_largest_piece,
+                       t.grad_accum, t.optimizer, z.offload_optimizer)
     return stage3(share.zero3_partition, b * share.zero3_persistent, b, g, c, z.reduce_bucket_size,
                   t.optimizer, z.offload_optimizer, z.offload_param, z.sub_group_size)
 
@@ -61,7 +60,7 @@ def zero3_turn_gathered(job: Job, share: RankShare) -> int:
         else:
             skipped.append(numel)
         after += numel
-    budget = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters - kept + share.head)
+    budget = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters - kept)
     fetched = 0
     for numel in skipped:
         if fetched >= budget:
@@ -117,6 +116,15 @@ def build_phases(job: Job, rank0: bool = False) -> list[tuple[str, list[Part]]]:
     if carried:
         grads_top = grads_bottom = 0  # carried already holds them
         bucket = 0 if z.stage == 1 else bucket
+    # a tied embedding's grad is complete only after the embedding's backward: DeepSpeed's grad hook
+    # (AccumulateGrad post-hook) cannot take it earlier, so the full b·V·h grad waits through backward
+    tied = [("tied_embedding_grad", b * share.head if m.tie_word_embeddings and z.stage > 0 else 0,
+             "full grad of the tied word embedding, reduced after the embedding's backward")]
+    # one module's full weight grad (ZeRO-2/3 reduce it after; stage 0/1 keep it as param.grad) with the
+    # activation grads of its matmul
+    weight_grad = b * share.largest_layer_module if z.stage >= 2 else 0
+    layer_transient = max(transient, weight_grad + b * tokens * (m.hidden_size + m.intermediate_size))
+    lm_head_grad = b * share.head if z.stage >= 1 and not m.tie_word_embeddings else 0
 
     return [
         ("forward, loss", fwd + [
@@ -125,17 +133,22 @@ def build_phases(job: Job, rank0: bool = False) -> list[tuple[str, list[Part]]]:
         ("backward, loss", fwd + [
             ("activations", acts_all, "all layers + outside layers"),
             ("logits_loss", head.backward_loss_transient_per_token(m, b) * tokens, "nll and log_softmax grads")]),
-        ("backward, last layer", fwd + [
+        ("backward, lm_head", fwd + tied + [
+            ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
+            ("activations", acts_all - lsm, "all layers + outside layers but the loss"),
+            ("logits_loss", head.lm_head_backward_transient_per_token(m, b) * tokens + lm_head_grad,
+             "grad of the logits and of lm_head's input; lm_head's weight grad")]),
+        ("backward, last layer", fwd + tied + [
             ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
             ("activations", acts_all - lsm + recompute - (layer_saved if recompute else 0),
              "all layers (the last one recomputed)"),
-            ("layer_backward_transient", transient, "grads inside the layer's backward")]),
-        ("backward, layer 0", fwd + [
+            ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
+        ("backward, layer 0", fwd + tied + [
             ("gradients", grads_bottom, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
             ("activations", layer_saved * (in_flight - 1) * share.layers + recompute + layer_saved * (not recompute),
              "layer 0"),
-            ("layer_backward_transient", transient, "grads inside the layer's backward")]),
-        ("optimizer step", base + [
+            ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
+        ("optimizer step", [x for x in base if x[0] != "params_gathered"] + [
             ("gradients", st.grads_full if z.stage == 0 else (st.grads_resident if z.stage != 3 else 0),
              "gradients at the step"),
             ("optimizer_step_transient", _step_transient(t.optimizer, st), "fp32 grads and optimizer temporaries")]),
@@ -147,8 +160,3 @@ def _step_transient(optimizer: str, st: States) -> int:
     extra = st.optimizer_states // 2 if optimizer == "torch_adamw" else 0
     return st.step_transient + extra
 
-
-def peak_of(phases: list[tuple[str, list[Part]]], prefer: Optional[str] = None) -> tuple[str, list[Part], int]:
-    """The phase with the most bytes allocated: (name, parts, bytes)."""
-    name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
-    return name, parts, sum(p[1] for p in parts)

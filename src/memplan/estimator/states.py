@@ -68,7 +68,7 @@ def stage0(p: int, b: int, optimizer: str) -> States:
 
 
 def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bool, largest: int,
-            grad_buffer: int, grad_accum: int, optimizer: str, offload: str) -> States:
+            grad_buffer: int, grad_piece: int, grad_accum: int, optimizer: str, offload: str) -> States:
     """ZeRO-1/2: runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.
 
     - bit16_groups_flat: b·P padded to 2N elements; the fp32 partition 4·P/N (a clone, also when training
@@ -78,8 +78,9 @@ def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bo
       first reduction and freed at the step. Stage 1 with gradient accumulation keeps the full 16-bit
       grads (b·P) and the IPG bucket across non-boundary micro-steps, and reduces at the boundary.
     - IPG bucket B_r·c (×2 with overlap_comm) from the first gradient hook to the end of backward.
-    - step: the fp32 cast of the grad partition and the unscaled/clipped copy (2 × 4·P/N) while the
-      16-bit grads still live.
+    - step: first the gradient norm upcasts each gradient piece to fp64 one at a time
+      (get_grad_norm_direct: g.to(get_norm_dtype())), 8 bytes × the largest piece; then the partition is
+      flattened (b·P/N) and cast to fp32 (4·P/N) while the 16-bit grads still live. The larger of the two.
     - offload_optimizer: master, fp32 grads and optimizer states on the host; a b·L GPU staging buffer
       (temp_grad_buffer_for_gpu_offload) and the bucket stay.
     """
@@ -91,7 +92,7 @@ def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bo
     full_grads = b * p_pad if stage == 1 and grad_accum > 1 else 0
     master = 4 * part
     states = 4 * opt.states_per_param * part
-    transient = 8 * part
+    transient = max(8 * grad_piece, (b + 4) * part)
     if offload == "none":
         return States(b * p_pad, 0, master, states, grads, full_grads, buckets, transient, 0, 0, 0)
     host = master + states + 4 * part + b * part + b * largest  # + fp32 grads, bit16 buffer, pinned grad temp
@@ -113,13 +114,13 @@ def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, o
     opt = OPTIMIZERS[optimizer]
     master = 4 * p3_part
     states = 4 * opt.states_per_param * p3_part
-    grads = g * p3_part
+    grads = g * p3_part  # on the host with offload_optimizer (stage3.py: grads go to the CPU partition)
     step = (b + 4) * min(p3_part, sub_group)
     params = 0 if offload_param != "none" else b * p3_part
     host = nvme = 0
     if offload_optimizer != "none":
         host += master + states + 4 * p3_part
-        master = states = 0
+        master = states = grads = 0
         step = 0
         if offload_optimizer == "nvme":
             nvme += 4 * p3_part + 4 * opt.states_per_param * p3_part
