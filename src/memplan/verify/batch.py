@@ -133,10 +133,14 @@ class Scheduler:
 
     def _run(self, item: Item) -> None:
         timeout = min(item.opts["timeout_s"], self._remaining())
-        opts = {**item.opts, "timeout_s": timeout, "steps": self.args.steps or item.opts["steps"]}
+        opts = {**item.opts, "name": item.name, "timeout_s": timeout, "steps": self.args.steps or item.opts["steps"]}
         if self.args.device:
             opts["device"] = self.args.device
-        row = runner.measure_job(item.job, command=["memplan", "verify", *item.args], **opts)
+        try:
+            row = runner.measure_job(item.job, command=["memplan", "verify", *item.args], **opts)
+        except Exception as exc:  # noqa: BLE001 - a harness bug must not hang the batch
+            row = {"name": item.name, "status": "error", "error": f"harness: {type(exc).__name__}: {exc}",
+                   "job": item.job.model_dump(mode="json"), "wall_s": 0.0}
         with self.cond:
             del self.running[item.name]
             self._finish(item, row, deferred=row["status"] == "timeout" and timeout < item.opts["timeout_s"])

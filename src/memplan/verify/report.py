@@ -42,8 +42,8 @@ def _table_rows(row: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 def _header_lines(row: dict[str, Any]) -> list[str]:
     env = row.get("env") or {}
-    lines = [f"status: {row['status']}" + (f" — {row['error']}" if row.get("error") else ""),
-             (f"mode: {row['mode']} ({row['job']['layout']['world']} ranks), device {row.get('device')}, "
+    lines = [f"status: {row.get('status')}" + (f" — {row['error']}" if row.get("error") else ""),
+             (f"mode: {row.get('mode')} ({((row.get('job') or {}).get('layout') or {}).get('world')} ranks), device {row.get('device')}, "
              f"steps {row.get('steps')}, peak phase {row.get('peak_phase')}"),
              (f"env: {env.get('gpu')} driver {env.get('driver')} cuda {env.get('cuda')}, torch {env.get('torch')}, "
              f"deepspeed {env.get('deepspeed')}, transformers {env.get('transformers')}, "

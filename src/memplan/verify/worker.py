@@ -60,6 +60,10 @@ def setup_distributed(task: dict[str, Any], world: int) -> tuple[int, int]:
     import deepspeed
 
     deepspeed.init_distributed()
+    if task["mode"] == "emulated":
+        from .emulation import keep_collectives_finite
+
+        keep_collectives_finite()
     return dist.get_rank(), int(os.environ["LOCAL_RANK"])
 
 
@@ -166,7 +170,10 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             row.update(status="error", error=f"{_one_line(exc)} (in {where})")
     if rec:
         row.update(phases=rec.phases, timeline=rec.timeline, **rec.summary())
-    row["env"] = environment(task["device"])
+    try:
+        row["env"] = environment(task["device"])
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA must not lose the row
+        row["env"] = {"error": _one_line(exc)}
     row["attention_backend"] = _attention_note(job)
     if row["rank"] == 0 and task.get("meta_pass", True):
         row.update(_meta_counts(task, job))
