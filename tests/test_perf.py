@@ -120,3 +120,23 @@ def test_step_time_never_falls_when_the_model_grows(layers, extra_layers, width,
         assert st_.seconds == pytest.approx(sum(st_.by_category().values()))
         times.append(st_.seconds)
     assert times[1] >= times[0]
+
+
+def test_ulysses_alltoall_by_hand():
+    m = toy_model()  # q = k = 4 wide, 2 layers
+    c = model_costs(m, 8)
+    st_ = step_time(job(m, seq=8, world=2, sp=2), c, A100, ASSUME)
+    a2a = next(t.seconds for t in st_.terms if t.name == "ulysses_alltoall")
+    # per layer and pass: (sp-1)/sp · b·(s/sp) · (2q + 2k) · 2 bytes = 1/2 · 4 · 16 · 2 = 64 bytes;
+    # forward + backward, 2 layers → 256 bytes over NVLink at 80%
+    assert a2a == pytest.approx(256 / (A100.nvlink_bytes_per_s * 0.8))
+
+
+def test_eager_attention_adds_score_traffic():
+    m = toy_model()
+    c = model_costs(m, 3)
+    eager = step_time(job(m).model_copy(update={"training": job(m).training.model_copy(
+        update={"attention": "eager"})}), c, A100, ASSUME)
+    scores = next(t.seconds for t in eager.terms if t.name == "eager_attention_scores")
+    # L·a·s² = 2·2·9 = 36 score elements, 60 bytes each at HBM bandwidth
+    assert scores == pytest.approx(36 * 60 / A100.hbm_bytes_per_s)
