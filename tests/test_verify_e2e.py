@@ -88,3 +88,13 @@ def test_gpu_measurement_reads_real_peaks(tiny_model, tmp_path):
     assert row["peak_allocated_bytes"] == max(p["peak_allocated_bytes"] for p in train) > 0
     assert all(p["peak_reserved_bytes"] >= p["peak_allocated_bytes"] for p in row["phases"])
     assert row["env"]["gpu"]
+
+
+@pytest.mark.slow
+def test_launch_runs_real_ranks_and_keeps_each(tiny_model, tmp_path):
+    job = _job(tiny_model, world=2, zero=ZeroSpec(stage=2))
+    row = runner.measure_job(job, name="real", out_dir=str(tmp_path), steps=1, launch=True, device="cpu",
+                             timeout_s=300)
+    assert row["status"] == "ok", row["error"]
+    assert row["mode"] == "real"
+    assert [r["rank"] for r in row["per_rank"]] == [0, 1]
