@@ -83,11 +83,12 @@ class Candidate(NamedTuple):
     host_bytes_per_node: int
     nvme_bytes_per_node: int
     peak_phase: str
-    step: StepTime
-    step_time_s: float
-    tokens_per_s: float
     misses: tuple[str, ...]  # why it does not fit: "target", "host RAM", "NVMe"; empty when it fits
-    binding: str  # memory / compute / comm / offload / bubble
+    job: Job  # what was estimated (built without validation; emit.candidate_job validates)
+    step: StepTime | None = None  # None until timed: the search times the feasible ones and the kept misses
+    step_time_s: float = float("nan")
+    tokens_per_s: float = float("nan")
+    binding: str = ""  # memory / compute / comm / offload / bubble
     same_as_attention: tuple[str, ...] = ()  # other attention implementations with identical memory and time
 
     @property
@@ -179,32 +180,38 @@ class _Evaluator:
     def __call__(self, combo: _Combo, checkpointing: str, attention: str, micro: int) -> Candidate:
         self.count += 1
         job = self.job(combo, checkpointing, attention, micro)
-        return make_candidate(self.space, job, self.peak_fn(job), self.costs)
+        return make_candidate(self.space, job, self.peak_fn(job), self.costs, timed=False)
 
 
-def make_candidate(space: PlanSpace, job: Job, peak, costs: ModelCosts | None = None) -> Candidate:
-    """A Candidate for ``job`` from the estimator's ``peak`` and the perf model."""
-    costs = costs or model_costs(job.model, job.training.seq_len)
+def make_candidate(space: PlanSpace, job: Job, peak, costs: ModelCosts | None = None,
+                   timed: bool = True) -> Candidate:
+    """A Candidate for ``job`` from the estimator's ``peak``; with ``timed``, its step time too."""
     t, lay, z = job.training, job.layout, job.training.zero
-    step = step_time(job, costs, space.hardware, space.perf)
-    seconds = step.seconds
     misses = tuple(name for name, over in (
         ("target", peak.device_total_bytes > space.target_bytes),
         ("host RAM", peak.host_bytes_per_node > space.host_ram_bytes_per_node),
         ("NVMe", peak.nvme_bytes_per_node > space.nvme_bytes_per_node),
     ) if over)
-    headroom = space.target_bytes - peak.device_total_bytes
-    tight = 0 <= headroom < space.perf.tight_headroom_fraction * space.target_bytes
-    return Candidate(
+    cand = Candidate(
         zero=z.stage, tp=lay.tp, pp=lay.pp, sp=lay.sp, dp=lay.dp, offload_optimizer=z.offload_optimizer,
         offload_param=z.offload_param, checkpointing=t.checkpointing, attention=t.attention,
         micro_batch=t.micro_batch, grad_accum=t.grad_accum,
         peak_allocated_bytes=int(peak.peak_allocated_bytes), peak_reserved_bytes=int(peak.peak_reserved_bytes),
         device_total_bytes=int(peak.device_total_bytes), host_bytes_per_node=int(peak.host_bytes_per_node),
-        nvme_bytes_per_node=int(peak.nvme_bytes_per_node), peak_phase=str(peak.peak_phase), step=step,
-        step_time_s=seconds, tokens_per_s=tokens_per_step(job) / seconds, misses=misses,
-        binding="memory" if tight else step.dominant(),
+        nvme_bytes_per_node=int(peak.nvme_bytes_per_node), peak_phase=str(peak.peak_phase), misses=misses, job=job,
     )
+    return with_time(space, cand, costs) if timed else cand
+
+
+def with_time(space: PlanSpace, c: Candidate, costs: ModelCosts | None = None) -> Candidate:
+    """The candidate with its step time, tokens/s and binding constraint (perf.step_time)."""
+    costs = costs or model_costs(space.model, space.seq_len)
+    step = step_time(c.job, costs, space.hardware, space.perf)
+    seconds = step.seconds
+    headroom = space.target_bytes - c.device_total_bytes
+    tight = 0 <= headroom < space.perf.tight_headroom_fraction * space.target_bytes
+    return c._replace(step=step, step_time_s=seconds, tokens_per_s=tokens_per_step(c.job) / seconds,
+                      binding="memory" if tight else step.dominant())
 
 
 def _micro_batches(space: PlanSpace, dp: int) -> list[int]:
@@ -283,8 +290,10 @@ def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, 
         for cand in cands:
             (feasible if cand.fits else misses).append(cand)
     n_feasible = len(feasible)
+    feasible = [with_time(space, c, evaluate.costs) for c in feasible]
     feasible = _merge_attention(sorted(feasible, key=lambda c: (c.step_time_s, c.device_total_bytes)))
-    misses = _merge_attention(sorted(misses, key=lambda c: (_overshoot(space, c), c.step_time_s)))
+    misses.sort(key=lambda c: (_overshoot(space, c), c.device_total_bytes))
+    misses = _merge_attention([with_time(space, c, evaluate.costs) for c in misses[:2 * keep_closest]])
     return PlanResult(space=space, candidates=tuple(feasible), closest=tuple(misses[:keep_closest]),
                       searched=evaluate.count + skipped, evaluated=evaluate.count, feasible=n_feasible,
                       invalid=invalid, notes=notes)
