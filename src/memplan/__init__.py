@@ -18,7 +18,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["estimate", "__version__"]
+__all__ = ["__version__", "estimate"]
 
 
 def estimate(*args, **kwargs):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 from .specs import Job
 
@@ -23,7 +23,7 @@ class Comparison:
     name: str
     measured_bytes: int
     predicted_bytes: int
-    measured_phase: Optional[str]
+    measured_phase: str | None
     predicted_phase: str
 
     @property
@@ -40,8 +40,22 @@ def iter_rows(folder: Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
-def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, Optional[str]]]:
+def _job_of(row: dict) -> Job:
+    """The row's Job, with a preset model resolved again from its preset (the config that really ran), so
+    that fields the ModelSpec gained since the row was measured are filled from the same config.json."""
+    from .errors import InputError
+    from .presets import load_model
+
     job = Job.model_validate(row["job"])
+    try:
+        model = load_model(job.model.name)
+    except InputError:
+        return job
+    return job.model_copy(update={"model": model.model_copy(update={"num_layers": job.model.num_layers})})
+
+
+def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, str | None]]:
+    job = _job_of(row)
     layers = row.get("layers")
     if layers and layers.get("measured"):
         for m in layers["measured"]:
@@ -61,7 +75,8 @@ def compare_rows(rows) -> list[Comparison]:
         if row.get("status") != "ok":
             continue
         for name, job, measured, phase in _measured_points(row):
-            q = quick_peak(job, rank0=row.get('mode', 'emulated') == 'emulated')
+            never_stepped = row.get("skipped_steps", 0) >= row.get("steps", 3)
+            q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped)
             out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase))
     return out
 

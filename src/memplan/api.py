@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .result import Estimate
 from .specs import Job
 
@@ -14,9 +12,9 @@ from .specs import Job
 def estimate(
     job: Job,
     *,
-    target_bytes: Optional[int] = None,
-    gpu_name: Optional[str] = None,
-    gpu_bytes: Optional[int] = None,
+    target_bytes: int | None = None,
+    gpu_name: str | None = None,
+    gpu_bytes: int | None = None,
 ) -> Estimate:
     """Predict the per-GPU memory of ``job``: peak allocated / reserved, the breakdown at the peak,
     the timeline of phases, and host RAM / NVMe per node for offload.

@@ -18,8 +18,7 @@ def from_pydantic(err, prefix: str = "") -> InputError:
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "__root__")
     field = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "input")
     msg = first.get("msg", "invalid value")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+    msg = msg.removeprefix("Value error, ")
     got = first.get("input")
     if got is not None and not isinstance(got, (dict, list)) and first.get("type") != "missing":
         msg = f"{msg} (got {got!r})"

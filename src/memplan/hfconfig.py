@@ -53,22 +53,24 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {  # MistralConfig (num_key_value_heads defaults to 8, not to the heads)
         **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "max_position_embeddings": 4096 * 32,
+        "max_position_embeddings": 4096 * 32, "sliding_window": 4096,
     },
     "qwen2": {  # Qwen2Config (q/k/v always carry a bias in Qwen2Attention)
         **_LLAMA_LIKE, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
     },
     "qwen3": {  # Qwen3Config (head_dim defaults to 128, not hidden/heads)
         **_LLAMA_LIKE, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
-        "max_position_embeddings": 32768, "attention_bias": False,
+        "max_position_embeddings": 32768, "attention_bias": False, "use_sliding_window": False,
+        "sliding_window": 4096,
     },
     "mixtral": {  # MixtralConfig
         **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "max_position_embeddings": 4096 * 32, "num_experts_per_tok": 2, "num_local_experts": 8,
+        "sliding_window": None,
     },
     "gpt2": {  # GPT2Config (n_inner None → 4·n_embd in GPT2Block)
         "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
@@ -181,6 +183,9 @@ def _llama_like(k: _Keys) -> dict:
         "attention_out_bias": k.family in ("llama", "qwen3") and attn_bias[k.family],
         "mlp_bias": k.family == "llama" and k.bool("mlp_bias"), "qk_norm": k.family == "qwen3",
         "attention_dropout": k.prob("attention_dropout"),  # *Attention: dropout on the probabilities only
+        # MistralConfig / MixtralConfig: sliding_window; Qwen2/3Config: only with use_sliding_window
+        "sliding_window": (k.opt_int("sliding_window") if k.family in ("mistral", "mixtral")
+                           or (k.family in ("qwen2", "qwen3") and k.bool("use_sliding_window")) else None),
     }
     if k.family == "mixtral":
         experts, top_k = k.int("num_local_experts"), k.int("num_experts_per_tok")

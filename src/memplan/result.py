@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from .specs import Job
@@ -48,9 +46,9 @@ class Estimate(_Frozen):
     host_bytes_per_node: int = Field(ge=0, description="pinned host RAM for offload, per node")
     nvme_bytes_per_node: int = Field(ge=0, description="NVMe bytes for offload, per node")
     notes: tuple[str, ...] = ()
-    target_bytes: Optional[int] = None
-    gpu_name: Optional[str] = None
-    gpu_bytes: Optional[int] = None
+    target_bytes: int | None = None
+    gpu_name: str | None = None
+    gpu_bytes: int | None = None
 
     @computed_field
     @property
@@ -65,10 +63,10 @@ class Estimate(_Frozen):
 
     @computed_field
     @property
-    def fits_target(self) -> Optional[bool]:
+    def fits_target(self) -> bool | None:
         return None if self.target_bytes is None else self.device_total_bytes <= self.target_bytes
 
     @computed_field
     @property
-    def fits_gpu(self) -> Optional[bool]:
+    def fits_gpu(self) -> bool | None:
         return None if self.gpu_bytes is None else self.device_total_bytes <= self.gpu_bytes

@@ -5,7 +5,7 @@ Everything the estimator reads is here, validated once. Errors name the field an
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -49,12 +49,13 @@ class ModelSpec(_Frozen):
     hidden_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention and MLP outputs (gpt2 resid_pdrop)")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention probabilities (gpt2 attn_pdrop)")
     embedding_dropout: float = Field(0.0, ge=0, lt=1, description="dropout after the embeddings (gpt2 embd_pdrop)")
+    sliding_window: int | None = Field(None, gt=0, description="sliding-window attention span (Mistral); None: off")
     num_experts: int = Field(0, ge=0, description="MoE experts per layer (0: dense)")
     num_experts_per_tok: int = Field(0, ge=0)
     source: str = Field("", description="where the numbers come from")
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelSpec":
+    def _check(self) -> ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be divisible by num_key_value_heads ({self.num_kv_heads})"
@@ -82,7 +83,7 @@ class ZeroSpec(_Frozen):
     stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_bucket_size: int = Field(500_000_000, gt=0)
-    overlap_comm: Optional[bool] = Field(None, description="None: True for stage 3, False for 1/2")
+    overlap_comm: bool | None = Field(None, description="None: True for stage 3, False for 1/2")
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
@@ -94,7 +95,7 @@ class ZeroSpec(_Frozen):
     pin_memory: bool = True
 
     @model_validator(mode="after")
-    def _check(self) -> "ZeroSpec":
+    def _check(self) -> ZeroSpec:
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(f"offload_param needs ZeRO stage 3 (stage is {self.stage})")
         if self.offload_optimizer != "none" and self.stage == 0:
@@ -118,7 +119,7 @@ class TrainingSpec(_Frozen):
     attention: Attention = "sdpa"
     optimizer: Optimizer = "adamw"
     zero: ZeroSpec = ZeroSpec()
-    grad_accum_dtype: Optional[TrainDtype] = Field(None, description="data_types.grad_accum_dtype; None: the training dtype")
+    grad_accum_dtype: TrainDtype | None = Field(None, description="data_types.grad_accum_dtype; None: the training dtype")
     sp_comm_dtype: TrainDtype = Field("fp32", description="seq_parallel_communication_data_type (used when sp > 1)")
 
 
@@ -132,7 +133,7 @@ class Layout(_Frozen):
     sp: int = Field(1, gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "Layout":
+    def _check(self) -> Layout:
         inner = self.tp * self.pp * self.sp
         if self.world % inner:
             raise ValueError(
@@ -164,7 +165,7 @@ class Job(_Frozen):
     layout: Layout = Layout()
 
     @model_validator(mode="after")
-    def _check(self) -> "Job":
+    def _check(self) -> Job:
         m, t, lay = self.model, self.training, self.layout
         if lay.sp > 1:
             if t.seq_len % lay.sp:

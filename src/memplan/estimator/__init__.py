@@ -26,11 +26,12 @@ def _ranks_per_node(job: Job) -> int:
     return min(job.layout.world, job.layout.gpus_per_node)
 
 
-def quick_peak(job: Job, rank0: bool = False) -> QuickPeak:
+def quick_peak(job: Job, rank0: bool = False, stepped: bool = True) -> QuickPeak:
     """Peak allocated, reserved, device total, host and NVMe per node, and the peak phase.
 
-    ``rank0``: rank 0's figures instead of the most loaded rank's (what an emulated verify measures)."""
-    phases = build_phases(job, rank0)
+    ``rank0``: rank 0's figures instead of the most loaded rank's (what an emulated verify measures);
+    ``stepped=False``: before the first successful optimizer step (see build_phases)."""
+    phases = build_phases(job, rank0, stepped)
     name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
     peak = sum(p[1] for p in parts)
     st = model_states(job, rank_share(job))

@@ -57,6 +57,8 @@ def sdpa_backend(m: ModelSpec, b: int, attention: str) -> str:
     grouped-query attention (enable_gqa); else the math fallback. 'eager' is transformers' eager path."""
     if attention == "eager" or m.family == "bloom":
         return "eager"
+    if m.sliding_window is not None:  # transformers passes a mask: no flash, k/v repeated (use_gqa_in_sdpa)
+        return "masked"
     if b == 2 and m.head_dim <= 256 and m.head_dim % 8 == 0:
         return "flash"
     return "efficient" if m.num_kv_heads == m.num_heads else "math"
@@ -70,6 +72,11 @@ def _attention_core(m: ModelSpec, b: int, attention: str, seq: int, qkv_fused: b
         return [Term("attn.math_qkv", 5 * b * q, "q (RoPE), q·√scale, repeat(k)·√scale, repeat(k), repeat(v)"),
                 Term("attn.math_probs", b * nh * seq, "softmax out [nh, S, S]"),
                 Term("attn.out_proj_input", b * q, "attention output made contiguous [T, q]")]
+    if backend == "masked":  # memory-efficient kernel with an explicit mask, repeat_kv'd k and v
+        return [Term("attn.q", b * q, "q after RoPE [T, q]"), Term("attn.k_repeated", b * q, "repeat_kv(k) [T, q]"),
+                Term("attn.v_repeated", b * q, "repeat_kv(v) [T, q]"), Term("attn.out", b * q, "[T, q]"),
+                Term("attn.masked_copy", b * q, "one more [T, q] copy on the masked path (measured)"),
+                Term("attn.logsumexp", 4 * nh, "[nh, S] fp32")]
     if attention == "eager":
         probs = [Term("attn.scores_softmax", (4 if m.family != "gpt2" else b) * nh * seq,
                       f"softmax out [nh, S, S] {'fp32' if m.family != 'gpt2' else 'dtype'} (per token: nh·S)")]
@@ -133,8 +140,11 @@ def _dropout_masks(m: ModelSpec, count: int) -> list[Term]:
     return [Term("dropout_masks", count * DROPOUT_MASK_BYTES * m.hidden_size, f"{count} × bool [T, h]")]
 
 
-def layer_terms(m: ModelSpec, b: int, attention: str, seq: int) -> tuple[Term, ...]:
-    """Every tensor one transformer layer saves for backward, per token of this rank."""
+def layer_terms(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False) -> tuple[Term, ...]:
+    """Every tensor one transformer layer saves for backward, per token of this rank.
+
+    ``ulysses``: DeepSpeed's UlyssesSPAttentionHF wraps the attention; the output all-to-all gives the output
+    projection its own input [T, q], apart from the kernel's saved output."""
     h = m.hidden_size
     if m.family in ("gpt2",):
         terms = (_layernorm(b, h, "ln_1") + [Term("attn.proj_input", b * h, "ln_1 out [T, h]")]
@@ -163,13 +173,15 @@ def layer_terms(m: ModelSpec, b: int, attention: str, seq: int) -> tuple[Term, .
             terms += _rmsnorm(b, m.q_dim, "q_norm", m.num_heads) + _rmsnorm(b, m.kv_dim, "k_norm", m.num_kv_heads)
         terms += _attention_core(m, b, attention, seq, qkv_fused=False)
         terms += _rmsnorm(b, h, "post_attention_layernorm") + _gated_mlp(m, b)
+    if ulysses:
+        terms = list(terms) + [Term("attn.ulysses_out_proj_input", b * m.q_dim, "all-to-all output [T, q]")]
     return tuple(terms)
 
 
 @lru_cache(maxsize=4096)
-def layer_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int) -> int:
+def layer_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False) -> int:
     """Sum of layer_terms: bytes one layer keeps per token of this rank."""
-    return sum(t.bytes_per_token for t in layer_terms(m, b, attention, seq))
+    return sum(t.bytes_per_token for t in layer_terms(m, b, attention, seq, ulysses))
 
 
 def layer_input_bytes_per_token(m: ModelSpec, b: int) -> int:

@@ -14,13 +14,15 @@ from ..specs import ModelSpec
 from .activations import DROPOUT_MASK_BYTES, LN_STATS_BYTES, RMS_RSQRT_BYTES, Term
 
 
-def saved_terms(m: ModelSpec, b: int) -> tuple[Term, ...]:
+def saved_terms(m: ModelSpec, b: int, seq: int = 0) -> tuple[Term, ...]:
     """What stays saved outside the layers until backward reaches it, per token of this rank."""
     h, v = m.hidden_size, m.vocab_size
     terms = [Term("embedding.indices", 8, "input_ids int64 (embedding backward)"),
              Term("loss.labels", 16, "padded and shifted labels int64")]
     if m.position_embedding == "rope":
         terms.append(Term("rope.cos_sin", 2 * b * m.head_dim, "cos, sin [T, head_dim] (shared by all layers)"))
+    if m.sliding_window is not None and seq:  # create_sliding_window_causal_mask: bool [S, S] per sequence
+        terms.append(Term("attention_mask", seq, "sliding-window mask bool [S, S] (per token: S)"))
     if m.embedding_dropout > 0:
         terms.append(Term("embedding.dropout_mask", DROPOUT_MASK_BYTES * h, "bool [T, h]"))
     if m.embedding_norm:  # BLOOM word_embeddings_layernorm

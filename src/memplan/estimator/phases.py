@@ -69,19 +69,22 @@ def zero3_turn_gathered(job: Job, share: RankShare) -> int:
     return kept + fetched
 
 
-def build_phases(job: Job, rank0: bool = False) -> list[tuple[str, list[Part]]]:
-    """All modelled moments of a step, each with the parts alive then."""
+def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tuple[str, list[Part]]]:
+    """All modelled moments of a step, each with the parts alive then.
+
+    ``stepped=False``: no optimizer step has succeeded yet (fp16's loss scaler skips overflowing steps;
+    optimizers create their states lazily at the first real step)."""
     t, z, lay, m = job.training, job.training.zero, job.layout, job.model
     b = dtype_bytes(t.dtype)
     share = rank_share(job)
     st = model_states(job, share, rank0)
     tokens = job.tokens_per_rank
     seq_attn = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
-    layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn) * tokens
+    layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1) * tokens
     layer_saved = act.layer_input_bytes_per_token(m, b) * tokens if t.checkpointing == "full" else layer_full
     recompute = layer_full if t.checkpointing == "full" else 0
     in_flight = min(lay.pp, t.grad_accum) if lay.pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
-    head_saved = sum(x.bytes_per_token for x in head.saved_terms(m, b)) * tokens
+    head_saved = sum(x.bytes_per_token for x in head.saved_terms(m, b, seq_attn)) * tokens
     lsm = 4 * m.vocab_size * tokens
     acts_all = in_flight * share.layers * layer_saved + head_saved
     transient = act.backward_transient_bytes_per_token(m, b, t.attention, seq_attn) * tokens
@@ -89,7 +92,7 @@ def build_phases(job: Job, rank0: bool = False) -> list[tuple[str, list[Part]]]:
     base = [("params_16bit", st.params_16bit, "16-bit parameters (ZeRO-3: this rank's partitions)"),
             ("params_persistent", st.params_persistent, "ZeRO-3 persistent (always gathered) parameters"),
             ("master_params_fp32", st.master_fp32, "fp32 master weights"),
-            ("optimizer_states", st.optimizer_states, "optimizer states"),
+            ("optimizer_states", st.optimizer_states if stepped else 0, "optimizer states"),
             ("offload_staging", st.offload_staging, "GPU staging buffer for offload"),
             ("cuda_workspaces", CUBLAS_WORKSPACE_BYTES, "cuBLAS / cuBLASLt workspaces")]
     if z.stage == 3:
@@ -151,7 +154,8 @@ def build_phases(job: Job, rank0: bool = False) -> list[tuple[str, list[Part]]]:
         ("optimizer step", [x for x in base if x[0] != "params_gathered"] + [
             ("gradients", st.grads_full if z.stage == 0 else (st.grads_resident if z.stage != 3 else 0),
              "gradients at the step"),
-            ("optimizer_step_transient", _step_transient(t.optimizer, st), "fp32 grads and optimizer temporaries")]),
+            ("optimizer_step_transient", _step_transient(t.optimizer, st) if stepped else 0,
+             "fp32 grads and optimizer temporaries")]),
     ]
 
 

@@ -210,7 +210,8 @@ def _assemble(job: Job, runs: list[dict[str, Any]], layers: int | None) -> dict[
     else:
         chosen = failed or loaded[-1]
     keys = ("status", "error", "phases", "peak_allocated_bytes", "peak_reserved_bytes", "peak_phase",
-            "init_peak_allocated_bytes", "init_peak_reserved_bytes", "timeline", "oom_phase")
+            "init_peak_allocated_bytes", "init_peak_reserved_bytes", "timeline", "oom_phase",
+            "skipped_steps", "global_steps")
     out.update({k: chosen.get(k) for k in keys})
     if failed is not None and layers is not None:
         out["error"] = f"{failed.get('error')} (at {runs[loaded.index(failed)]['num_layers']} layers)"

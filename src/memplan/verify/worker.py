@@ -157,6 +157,9 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
         engine, model, sp_rank = initialize(task, job, device)
         rec.end()
         train(engine, model, job, rec, task["steps"], device, sp_rank)
+        # steps the loss scaler / overflow check skipped: until one succeeds no optimizer state exists
+        row["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
+        row["global_steps"] = int(getattr(engine, "global_steps", 0))
     except Unsupported as exc:
         row.update(status="unsupported", error=str(exc))
     except Exception as exc:  # noqa: BLE001 - every failure is a result, logged in full to stderr
