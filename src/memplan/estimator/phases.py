@@ -54,7 +54,9 @@ def zero3_turn_gathered(job: Job, share: RankShare) -> int:
     z = job.training.zero
     kept = after = 0
     skipped = []
-    for numel in reversed(share.modules):
+    # a tied word embedding is the first module and lm_head the last: one parameter, gathered once
+    modules = share.modules[1:] if job.model.tie_word_embeddings else share.modules
+    for numel in reversed(modules):
         if after < z.stage3_max_reuse_distance:
             kept += numel
         else:
@@ -160,7 +162,8 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
 
 
 def _step_transient(optimizer: str, st: States) -> int:
-    """Step temporaries: the stage's grad casts, plus torch AdamW's foreach sqrt(exp_avg_sq) (torch/optim/adamw.py)."""
-    extra = st.optimizer_states // 2 if optimizer == "torch_adamw" else 0
-    return st.step_transient + extra
-
+    """The step's peak above the states: the larger of the grad preparation (norm, flatten, fp32 cast) and
+    the optimizer's own run, which holds the fp32 grads plus, for torch AdamW (foreach), the
+    sqrt(exp_avg_sq) temporaries of the size of one state (torch/optim/adamw.py _multi_tensor_adamw)."""
+    temporaries = min(st.optimizer_states // 2, st.step_grad_fp32) if optimizer == "torch_adamw" else 0
+    return max(st.step_transient, st.step_grad_fp32 + temporaries)

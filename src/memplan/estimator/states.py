@@ -49,7 +49,8 @@ class States:
     grads_resident: int  # gradient bytes alive between backward and step on the GPU
     grads_full: int  # full 16-bit grads kept across micro-steps (stage 0; stage 1 with accumulation)
     grad_bucket: int  # IPG bucket(s) alive during backward
-    step_transient: int  # extra bytes at the optimizer step's peak
+    step_transient: int  # extra bytes while the step prepares the grads (norm, flatten, fp32 cast)
+    step_grad_fp32: int  # the fp32 grads alive while the optimizer itself runs
     offload_staging: int  # GPU staging buffers for offload
     host_bytes: int  # pinned host RAM for this rank
     nvme_bytes: int  # NVMe bytes for this rank
@@ -64,7 +65,7 @@ def stage0(p: int, b: int, optimizer: str) -> States:
     master = 4 * p if b < 4 else 0  # mixed precision keeps fp32 masters (Micikevicius et al. 2018)
     state_bytes = (4 if master else b) * opt.states_per_param * p
     transient = 8 * p if master else 0
-    return States(b * p, 0, master, state_bytes, b * p, b * p, 0, transient, 0, 0, 0)
+    return States(b * p, 0, master, state_bytes, b * p, b * p, 0, transient, 4 * p if master else 0, 0, 0, 0)
 
 
 def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bool, largest: int,
@@ -94,10 +95,10 @@ def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bo
     states = 4 * opt.states_per_param * part
     transient = max(8 * grad_piece, (b + 4) * part)
     if offload == "none":
-        return States(b * p_pad, 0, master, states, grads, full_grads, buckets, transient, 0, 0, 0)
+        return States(b * p_pad, 0, master, states, grads, full_grads, buckets, transient, 4 * part, 0, 0, 0)
     host = master + states + 4 * part + b * part + b * largest  # + fp32 grads, bit16 buffer, pinned grad temp
     nvme = master + states if offload == "nvme" else 0
-    return States(b * p_pad, 0, 0, 0, 0, full_grads, buckets, 0, b * largest, host - nvme, nvme)
+    return States(b * p_pad, 0, 0, 0, 0, full_grads, buckets, 0, 0, b * largest, host - nvme, nvme)
 
 
 def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, optimizer: str,
@@ -130,4 +131,5 @@ def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, o
             nvme += b * p3_part
         else:
             host += b * p3_part
-    return States(params, persistent, master, states, grads, 0, bucket * c, step, 0, host, nvme)
+    return States(params, persistent, master, states, grads, 0, bucket * c, step,
+                  4 * min(p3_part, sub_group) if step else 0, 0, host, nvme)
