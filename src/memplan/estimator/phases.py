@@ -146,7 +146,7 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
         ("backward, last layer", fwd + tied + [
             ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
             ("activations", acts_all - lsm + recompute - (layer_saved if recompute else 0),
-             "all layers (the last one recomputed)"),
+             "all layers (the last one recomputed)" if recompute else "all layers"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
         ("backward, layer 0", fwd + tied + [
             ("gradients", grads_bottom, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
