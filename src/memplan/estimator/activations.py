@@ -178,10 +178,19 @@ def layer_terms(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = 
     return tuple(terms)
 
 
+#: what selective recomputation (Korthikanti et al. 2022, §4.2: recompute the attention core) drops:
+#: the [nh, S, S] score, probability and dropout-mask tensors; flash attention keeps none of them anyway
+SELECTIVE_RECOMPUTED = ("attn.scores_softmax", "attn.probs", "attn.dropout_mask", "attn.probs_dropped",
+                        "attn.math_probs")
+
+
 @lru_cache(maxsize=4096)
-def layer_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False) -> int:
-    """Sum of layer_terms: bytes one layer keeps per token of this rank."""
-    return sum(t.bytes_per_token for t in layer_terms(m, b, attention, seq, ulysses))
+def layer_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False,
+                          selective: bool = False) -> int:
+    """Sum of layer_terms: bytes one layer keeps per token of this rank (``selective``: without the
+    attention core's score-sized tensors, recomputed in backward)."""
+    return sum(t.bytes_per_token for t in layer_terms(m, b, attention, seq, ulysses)
+               if not (selective and t.name in SELECTIVE_RECOMPUTED))
 
 
 def layer_input_bytes_per_token(m: ModelSpec, b: int) -> int:

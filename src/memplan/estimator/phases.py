@@ -83,7 +83,12 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
     tokens = job.tokens_per_rank
     seq_attn = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
     layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1) * tokens
-    layer_saved = act.layer_input_bytes_per_token(m, b) * tokens if t.checkpointing == "full" else layer_full
+    if t.checkpointing == "full":
+        layer_saved = act.layer_input_bytes_per_token(m, b) * tokens
+    elif t.checkpointing == "selective":
+        layer_saved = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, True) * tokens
+    else:
+        layer_saved = layer_full
     recompute = layer_full if t.checkpointing == "full" else 0
     in_flight = min(lay.pp, t.grad_accum) if lay.pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
     head_saved = sum(x.bytes_per_token for x in head.saved_terms(m, b, seq_attn)) * tokens
