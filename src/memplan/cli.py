@@ -77,6 +77,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         gpu = resolve_gpu(args.gpu)
     est = estimate(job, target_bytes=target, gpu_name=gpu and gpu.name, gpu_bytes=gpu and gpu.memory_bytes)
+    if args.calibration is not None:
+        from .calibrate.files import apply_file
+
+        est = apply_file(est, args.calibration)
     from . import render
 
     if args.json:
@@ -113,6 +117,8 @@ def _add_estimate(sub) -> None:
     p.add_argument("--gpu", metavar="NAME|SIZE", help="a100-40g, a100-80g, h100-80g, h200, b200, or a size (80GiB)")
     p.add_argument("--target", metavar="SIZE", help="per-GPU budget to check against, e.g. 24GiB")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="scale the estimate by a file from `memplan calibrate` (default: the uncalibrated model)")
     p.set_defaults(func=cmd_estimate)
 
 
