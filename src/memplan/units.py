@@ -51,7 +51,7 @@ def parse_size_bytes(text: str) -> int:
         raise ValueError(f"{text!r} is not a size; use a number with a unit such as 24GiB, 80GB or 512MiB")
     value = float(m.group(1))
     unit = (m.group(2) or "B").upper()
-    out = int(round(value * _SIZE_FACTORS[unit]))
+    out = round(value * _SIZE_FACTORS[unit])
     if out <= 0:
         raise ValueError(f"{text!r} must be a positive size")
     return out

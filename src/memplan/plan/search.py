@@ -35,32 +35,11 @@ from .space import (
 PeakFn = Callable[[Job], "object"]
 
 
-class Peak(NamedTuple):
-    """What the plan reads from the estimator (the fields of memplan.estimator.QuickPeak)."""
-
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    device_total_bytes: int
-    host_bytes_per_node: int
-    nvme_bytes_per_node: int
-    peak_phase: str
-
-
 def default_peak_fn() -> PeakFn:
-    """memplan.estimator.quick_peak, or (ADAPTER, until that lands) memplan.api.estimate read the same way."""
-    try:
-        from ..estimator import quick_peak
+    """The estimator's fast path: memplan.estimator.quick_peak (no typed breakdown)."""
+    from ..estimator import quick_peak
 
-        return quick_peak
-    except ImportError:
-        from ..api import estimate
-
-        def via_estimate(job: Job) -> Peak:
-            e = estimate(job)
-            return Peak(e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_total_bytes,
-                        e.host_bytes_per_node, e.nvme_bytes_per_node, e.peak_phase)
-
-        return via_estimate
+    return quick_peak
 
 
 class Candidate(NamedTuple):
