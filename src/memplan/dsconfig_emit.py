@@ -108,6 +108,10 @@ def to_ds_config(job: Job) -> dict[str, Any]:
     if lay.sp > 1:
         cfg["sequence_parallel_size"] = lay.sp
         cfg["seq_parallel_communication_data_type"] = t.sp_comm_dtype
+    if lay.tp > 1:
+        # DeepSpeed 0.19.8 training AutoTP (runtime/tensor_parallel/config.py TPTrainingConfig.autotp_size);
+        # dp = world / tp is what train_batch_size counts above
+        cfg["tensor_parallel"] = {"autotp_size": lay.tp}
     if t.grad_accum_dtype is not None:
         cfg["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
     return cfg

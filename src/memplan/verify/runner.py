@@ -85,6 +85,11 @@ def run_worker(task: dict[str, Any], work: Path, timeout_s: float, world: int) -
     log = work / "worker.log"
     t0 = time.perf_counter()
     code = _spawn(module, log, timeout_s, env)
+    last = world - 1
+    if task["mode"] == "emulated" and task["job"]["layout"]["pp"] > 1 and code == 0:
+        # pipeline: the first stage is rank 0; the last stage (it holds the logits) is emulated as rank world-1
+        write_json_atomic(str(work / "task.json"), {**task, "emulated_rank": last, "meta_pass": False})
+        code = _spawn(module, log, max(1.0, timeout_s - (time.perf_counter() - t0)), env)
     rows = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
     if code is None and any(r.get("status") not in ("ok", None) for r in rows):
         return rows  # e.g. one real rank OOMed and the others hung in a collective until the timeout
@@ -159,7 +164,7 @@ def measure_job(job: Job, *, name: str | None = None, command: Sequence[str] = (
     try:
         row["ds_config"] = to_ds_config(job)
         depths = _depths(job, layers)
-        worker.check_supported(job)
+        worker.check_supported(job, mode)
         if launch and device == "cuda" and local_gpu_count() < job.layout.world:
             raise _Refused(f"--launch needs {job.layout.world} GPUs on this node (found {local_gpu_count()})")
         task = {"name": name, "job": row["job"], "hf_config": hfbuild.hf_config_dict(job.model), "steps": steps,

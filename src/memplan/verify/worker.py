@@ -17,7 +17,7 @@ from typing import Any
 
 from ..dsconfig_emit import to_ds_config
 from ..specs import Job
-from . import hfbuild
+from . import autotp, hfbuild, pipeline
 from .envinfo import environment, write_json_atomic
 from .phases import Meter, Recorder, TimelineHooks
 
@@ -26,13 +26,15 @@ class Unsupported(Exception):
     """The job asks for something this harness cannot measure faithfully."""
 
 
-def check_supported(job: Job) -> None:
+def check_supported(job: Job, mode: str = "emulated") -> None:
     """Refuse what the transformers + DeepSpeed path cannot run as the estimator models it."""
     t, lay = job.training, job.layout
     if t.checkpointing == "selective":
         raise Unsupported("selective checkpointing: transformers only offers full-layer checkpointing")
-    if lay.tp > 1 or lay.pp > 1:
-        raise Unsupported(f"tp ({lay.tp}) / pp ({lay.pp}) > 1: verify measures DeepSpeed ZeRO + Ulysses only")
+    reason = autotp.unsupported_reason(job, mode) if lay.tp > 1 else None
+    reason = reason or (pipeline.unsupported_reason(job) if lay.pp > 1 else None)
+    if reason:
+        raise Unsupported(reason)
     if lay.sp > 1 and job.model.family == "gpt2":
         raise Unsupported("Ulysses sp > 1 on gpt2: DeepSpeed's UlyssesSPAttentionHF fails on transformers' GPT-2")
     if lay.sp > 1 and t.attention == "eager":
@@ -47,11 +49,12 @@ def setup_distributed(task: dict[str, Any], world: int) -> tuple[int, int]:
     if task["mode"] == "emulated":
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        rank = int(task.get("emulated_rank", 0))  # pp: the last stage is emulated as rank world - 1
+        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
         if task["device"] == "cuda":
             torch.cuda.set_device(0)
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     else:
         local = int(os.environ["LOCAL_RANK"])
         if task["device"] == "cuda":
@@ -148,15 +151,24 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
                            "num_layers": task.get("num_layers") or job.model.num_layers, "phases": [], "timeline": []}
     rec = None
     try:
-        check_supported(job)
+        check_supported(job, task["mode"])
         rank, local = setup_distributed(task, job.layout.world)
         row["rank"] = rank
         device = f"cuda:{local}" if task["device"] == "cuda" else "cpu"
         rec = Recorder(Meter(device))
         rec.begin("init")
-        engine, model, sp_rank = initialize(task, job, device)
-        rec.end()
-        train(engine, model, job, rec, task["steps"], device, sp_rank)
+        if job.layout.pp > 1:
+            engine, model, config = pipeline.initialize(task, job, device)
+            rec.end()
+            row.update(pipeline.stage_note(engine))
+            pipeline.train(engine, config, job, rec, task["steps"], device)
+        else:
+            engine, model, sp_rank = initialize(task, job, device)
+            rec.end()
+            if job.layout.tp > 1:
+                autotp.seed_batches()  # every rank of a TP group draws the same token batches
+                row.update(autotp.tp_note())
+            train(engine, model, job, rec, task["steps"], device, sp_rank)
         # steps the loss scaler / overflow check skipped: until one succeeds no optimizer state exists
         row["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
         row["global_steps"] = int(getattr(engine, "global_steps", 0))
