@@ -182,6 +182,12 @@ class Job(_Frozen):
             raise ValueError(f"num_attention_heads ({m.num_heads}) must be divisible by tp ({lay.tp})")
         if lay.tp > 1 and m.num_kv_heads % lay.tp:
             raise ValueError(f"num_key_value_heads ({m.num_kv_heads}) must be divisible by tp ({lay.tp})")
+        if t.zero.stage == 0 and t.grad_accum_dtype not in (None, t.dtype):
+            raise ValueError(
+                f"ZeRO stage 0 cannot accumulate {t.dtype} gradients in {t.grad_accum_dtype} "
+                "(data_types.grad_accum_dtype; DeepSpeed's engine raises 'unsupported mix of model_dtype and "
+                "grad_accum_dtype'); allowed: stage 1, 2 or 3, or grad_accum_dtype equal to the training dtype"
+            )
         if lay.pp > 1 and m.num_layers < lay.pp:
             raise ValueError(f"num_layers ({m.num_layers}) must be at least pp ({lay.pp})")
         if lay.pp > 1 and t.zero.stage >= 2:

@@ -14,7 +14,7 @@ from ..units import MiB, dtype_bytes
 from . import activations as act
 from . import head
 from .layout import RankShare, rank_share
-from .states import States, stage0, stage3, stage12
+from .states import States, bf16_optimizer, stage0, stage3, stage12
 
 Part = tuple  # (name, bytes, detail)
 
@@ -33,6 +33,8 @@ def model_states(job: Job, share: RankShare, rank0: bool = False) -> States:
     n = lay.zero_group
     if z.stage == 0:
         return stage0(share.params, b, t.optimizer)
+    if z.stage == 1 and t.dtype == "bf16" and t.grad_accum_dtype == "fp32" and z.offload_optimizer == "none":
+        return bf16_optimizer(share.params, n, t.optimizer)
     if z.stage in (1, 2):
         buffer = share.zero2_grad_buffer_rank0 if rank0 else share.zero2_grad_buffer
         return stage12(z.stage, share.params, n, b, c, z.reduce_bucket_size, z.overlap, share.largest,
@@ -101,6 +103,7 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
             ("master_params_fp32", st.master_fp32, "fp32 master weights"),
             ("optimizer_states", st.optimizer_states if stepped else 0, "optimizer states"),
             ("offload_staging", st.offload_staging, "GPU staging buffer for offload"),
+            ("grad_accum_fp32", st.grad_accum_buffer, "BF16_Optimizer's full fp32 gradient buffer"),
             ("cuda_workspaces", CUBLAS_WORKSPACE_BYTES, "cuBLAS / cuBLASLt workspaces")]
     if z.stage == 3:
         base += [("params_gathered", b * zero3_turn_gathered(job, share), "ZeRO-3 gathered working set"),
@@ -108,7 +111,8 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
                  ("grad_bucket", st.grad_bucket, "ZeRO-3 IPG bucket (allocated at initialize)")]
     # what earlier micro-steps leave for the next one
     carried: list[Part] = []
-    if t.grad_accum > 1 and z.stage == 0:
+    whole_grads = z.stage == 0 or st.full_grads_in_backward  # param.grad accumulate, no reduce hooks
+    if t.grad_accum > 1 and whole_grads:
         carried = [("gradients", st.grads_full, "accumulated 16-bit gradients")]
     elif t.grad_accum > 1 and z.stage == 1:
         carried = [("gradients", st.grads_full, "full 16-bit gradients until the boundary"),
@@ -117,7 +121,7 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
         carried = [("gradients", st.grads_resident, "grads_in_partition across micro-steps")]
     fwd = base + carried
 
-    if z.stage == 0:
+    if whole_grads:
         grads_top, grads_bottom, bucket = b * (share.head + share.per_layer), st.grads_full, 0
     elif z.stage in (1, 2):
         grads_top, grads_bottom, bucket = 0, st.grads_resident, st.grad_bucket
@@ -128,7 +132,7 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
         bucket = 0 if z.stage == 1 else bucket
     # a tied embedding's grad is complete only after the embedding's backward: DeepSpeed's grad hook
     # (AccumulateGrad post-hook) cannot take it earlier, so the full b·V·h grad waits through backward
-    tied = [("tied_embedding_grad", b * share.head if m.tie_word_embeddings and z.stage > 0 else 0,
+    tied = [("tied_embedding_grad", b * share.head if m.tie_word_embeddings and z.stage > 0 and not whole_grads else 0,
              "full grad of the tied word embedding, reduced after the embedding's backward")]
     # one module's full weight grad (ZeRO-2/3 reduce it after; stage 0/1 keep it as param.grad) with the
     # activation grads of its matmul
@@ -159,7 +163,7 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
              "layer 0"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
         ("optimizer step", [x for x in base if x[0] != "params_gathered"] + [
-            ("gradients", st.grads_full if z.stage == 0 else (st.grads_resident if z.stage != 3 else 0),
+            ("gradients", st.grads_full if whole_grads else (st.grads_resident if z.stage != 3 else 0),
              "gradients at the step"),
             ("optimizer_step_transient", _step_transient(t.optimizer, st) if stepped else 0,
              "fp32 grads and optimizer temporaries")]),

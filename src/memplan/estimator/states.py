@@ -54,6 +54,8 @@ class States:
     offload_staging: int  # GPU staging buffers for offload
     host_bytes: int  # pinned host RAM for this rank
     nvme_bytes: int  # NVMe bytes for this rank
+    grad_accum_buffer: int = 0  # BF16_Optimizer's persistent fp32 gradient buffer (full size)
+    full_grads_in_backward: bool = False  # 16-bit param.grad accumulate whole through backward (no hooks)
 
 
 def stage0(p: int, b: int, optimizer: str) -> States:
@@ -133,3 +135,16 @@ def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, o
             host += b * p3_part
     return States(params, persistent, master, states, grads, 0, bucket * c, step,
                   4 * min(p3_part, sub_group) if step else 0, 0, host, nvme)
+
+
+def bf16_optimizer(p: int, n: int, optimizer: str) -> States:
+    """bf16 training, ZeRO-1, data_types.grad_accum_dtype fp32: engine._do_optimizer_sanity_check picks
+    runtime/bf16_optimizer.py BF16_Optimizer. It keeps the flat bf16 params (2·P padded to 2N), an fp32
+    master partition (4·P/N, fp32_groups_flat_partition), a FULL fp32 gradient buffer allocated at
+    initialize (4·P padded, fp32_groups_gradients_flat), and optimizer states on the partition; the bf16
+    param.grad accumulate whole during backward and are added into the fp32 buffer after it."""
+    opt = OPTIMIZERS[optimizer]
+    p_pad = round_up(p, NCCL_START_ALIGNMENT_FACTOR * n)
+    part = p_pad // n
+    return States(2 * p_pad, 0, 4 * part, 4 * opt.states_per_param * part, 2 * p_pad, 2 * p_pad, 0, 0, 0, 0,
+                  0, 0, grad_accum_buffer=4 * p_pad, full_grads_in_backward=True)
