@@ -109,9 +109,12 @@ def to_ds_config(job: Job) -> dict[str, Any]:
         cfg["sequence_parallel_size"] = lay.sp
         cfg["seq_parallel_communication_data_type"] = t.sp_comm_dtype
     if lay.tp > 1:
-        # DeepSpeed 0.19.8 training AutoTP (runtime/tensor_parallel/config.py TPTrainingConfig.autotp_size);
-        # dp = world / tp is what train_batch_size counts above
+        # DeepSpeed 0.19.8 training AutoTP (runtime/tensor_parallel/config.py TPTrainingConfig.autotp_size).
+        # deepspeed.initialize parses the config before AutoTP builds its (dp, tp) mesh, with no mpu: the batch
+        # check (runtime/config.py DeepSpeedConfig._batch_assertion) then counts every rank as data parallel,
+        # so train_batch_size must be micro · accum · world / sp, not · dp
         cfg["tensor_parallel"] = {"autotp_size": lay.tp}
+        cfg["train_batch_size"] = t.micro_batch * t.grad_accum * lay.dp * lay.tp
     if t.grad_accum_dtype is not None:
         cfg["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
     return cfg
