@@ -87,6 +87,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         render.write_json(est, sys.stdout)
     else:
         render.render_estimate(est)
+    if args.report:  # issue 6: the same page `memplan report` writes (needs the report extra)
+        from .report.command import write_estimate_report
+
+        write_estimate_report(est, args.report)
     return 0
 
 
@@ -119,6 +123,7 @@ def _add_estimate(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--calibration", metavar="FILE",
                    help="scale the estimate by a file from `memplan calibrate` (default: the uncalibrated model)")
+    p.add_argument("--report", metavar="DIR", help="also write memplan report's Markdown/HTML page and plots to DIR")
     p.set_defaults(func=cmd_estimate)
 
 
