@@ -40,13 +40,13 @@ def iter_rows(folder: Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
-def _job_of(row: dict) -> Job:
+def job_of_row(row: dict) -> Job:
     """The row's Job, with a preset model resolved again from its preset (the config that really ran), so
     that fields the ModelSpec gained since the row was measured are filled from the same config.json."""
     from .errors import InputError
     from .presets import load_model
 
-    job = Job.model_validate(row["job"])
+    job = Job.model_validate(row.get("job"))
     try:
         model = load_model(job.model.name)
     except InputError:
@@ -55,7 +55,7 @@ def _job_of(row: dict) -> Job:
 
 
 def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, str | None]]:
-    job = _job_of(row)
+    job = job_of_row(row)
     layers = row.get("layers")
     if layers and layers.get("measured"):
         for m in layers["measured"]:

@@ -162,18 +162,12 @@ def measured_of(row: Any) -> Measured:
 
 
 def job_of_row(row: dict) -> Job:
-    """The verify report's Job, with a preset model resolved again from its preset at the row's depth (as
-    memplan.accuracy does: fields the ModelSpec gained since the row was measured come from the same preset)."""
-    from ..presets import load_model
+    """The verify report's Job as memplan.accuracy reads it; a malformed job names the --verify field."""
+    from ..accuracy import job_of_row as accuracy_job_of_row
 
     try:
-        job = Job.model_validate(row.get("job"))
+        return accuracy_job_of_row(row)
     except ValidationError as err:
         from ..errors import from_pydantic
 
         raise from_pydantic(err, prefix="--verify job.") from None
-    try:
-        model = load_model(job.model.name)
-    except InputError:
-        return job
-    return job.model_copy(update={"model": model.model_copy(update={"num_layers": job.model.num_layers})})
