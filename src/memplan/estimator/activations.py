@@ -184,13 +184,24 @@ SELECTIVE_RECOMPUTED = ("attn.scores_softmax", "attn.probs", "attn.dropout_mask"
                         "attn.math_probs")
 
 
+#: under tensor parallelism (Megatron-style / DeepSpeed AutoTP) these live sharded by heads or MLP columns;
+#: the norms, the projections' inputs and the residual stream stay whole on every tp rank
+TP_SHARDED_PREFIXES = ("attn.q", "attn.k", "attn.v", "attn.out", "attn.logsumexp", "attn.qkv_fused",
+                       "attn.scores", "attn.probs", "attn.dropout", "attn.math", "attn.masked", "attn.ulysses",
+                       "mlp.gate_up", "mlp.act", "mlp.gelu", "mlp.fc_out", "moe.gate_up", "moe.act")
+
+
 @lru_cache(maxsize=4096)
 def layer_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False,
-                          selective: bool = False) -> int:
+                          selective: bool = False, tp: int = 1) -> int:
     """Sum of layer_terms: bytes one layer keeps per token of this rank (``selective``: without the
-    attention core's score-sized tensors, recomputed in backward)."""
-    return sum(t.bytes_per_token for t in layer_terms(m, b, attention, seq, ulysses)
-               if not (selective and t.name in SELECTIVE_RECOMPUTED))
+    attention core's score-sized tensors, recomputed in backward; ``tp``: sharded terms divided by tp)."""
+    total = 0
+    for t in layer_terms(m, b, attention, seq, ulysses):
+        if selective and t.name in SELECTIVE_RECOMPUTED:
+            continue
+        total += t.bytes_per_token // tp if tp > 1 and t.name.startswith(TP_SHARDED_PREFIXES) else t.bytes_per_token
+    return total
 
 
 def layer_input_bytes_per_token(m: ModelSpec, b: int) -> int:
@@ -198,7 +209,7 @@ def layer_input_bytes_per_token(m: ModelSpec, b: int) -> int:
     return b * m.hidden_size
 
 
-def backward_transient_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int) -> int:
+def backward_transient_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, tp: int = 1) -> int:
     """Largest set of gradient temporaries inside one layer's backward, per token.
 
     MLP: grad of down's input, then grads of act and up (3 tensors [T, I] at once, k-fold for MoE);
@@ -210,4 +221,4 @@ def backward_transient_bytes_per_token(m: ModelSpec, b: int, attention: str, seq
     attn = b * (2 * q + 2 * kv) + 4 * q + 2 * b * m.hidden_size
     if sdpa_backend(m, b, attention) in ("eager", "math"):
         attn += 2 * 4 * m.num_heads * seq  # grad of the scores and of the softmax input [nh, S, S]
-    return max(mlp, attn)
+    return max(mlp, attn) // tp

@@ -14,7 +14,7 @@ from ..specs import ModelSpec
 from .activations import DROPOUT_MASK_BYTES, LN_STATS_BYTES, RMS_RSQRT_BYTES, Term
 
 
-def saved_terms(m: ModelSpec, b: int, seq: int = 0) -> tuple[Term, ...]:
+def saved_terms(m: ModelSpec, b: int, seq: int = 0, tp: int = 1) -> tuple[Term, ...]:
     """What stays saved outside the layers until backward reaches it, per token of this rank."""
     h, v = m.hidden_size, m.vocab_size
     terms = [Term("embedding.indices", 8, "input_ids int64 (embedding backward)"),
@@ -32,7 +32,7 @@ def saved_terms(m: ModelSpec, b: int, seq: int = 0) -> tuple[Term, ...]:
     else:
         terms.append(Term("final_norm", b * h + LN_STATS_BYTES, "[T, h] + stats"))
     terms.append(Term("lm_head.input", b * h, "final norm output [T, h]"))
-    terms.append(Term("loss.log_softmax", 4 * v, "log_softmax output [T, V] fp32"))
+    terms.append(Term("loss.log_softmax", 4 * v // tp, "log_softmax output [T, V/tp] fp32 (vocab-parallel)"))
     return tuple(terms)
 
 
@@ -46,6 +46,6 @@ def backward_loss_transient_per_token(m: ModelSpec, b: int) -> int:
     return 2 * 4 * m.vocab_size
 
 
-def lm_head_backward_transient_per_token(m: ModelSpec, b: int) -> int:
-    """At lm_head's backward: the logits grad in the training dtype [T, V] and the grad of its input [T, h]."""
-    return b * m.vocab_size + b * m.hidden_size
+def lm_head_backward_transient_per_token(m: ModelSpec, b: int, tp: int = 1) -> int:
+    """At lm_head's backward: the logits grad in the training dtype [T, V/tp] and the grad of its input [T, h]."""
+    return b * m.vocab_size // tp + b * m.hidden_size

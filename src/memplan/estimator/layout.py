@@ -41,38 +41,52 @@ def _sharded(name: str) -> bool:
         "o_proj" in name or "down_proj" in name or "c_proj" in name or "dense" in name and "h_to_4h" not in name))
 
 
+_EMBEDDINGS = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight", "embed_in.weight", "wpe.weight",
+               "word_embeddings_layernorm.weight", "word_embeddings_layernorm.bias")
+
+
+def _on_stage(name: str, layer: int | None, layers_here: int, pp: int, last: bool, tied: bool) -> bool:
+    """Whether a tensor lives on this pipeline stage (the first, or with ``last`` the last): layers are split
+    evenly; embeddings on the first stage, final norm and lm_head on the last, and a tied word embedding on
+    both (DeepSpeed TiedLayerSpec keeps a copy on each and all-reduces its gradient)."""
+    if layer is not None:
+        return layer < layers_here
+    if pp == 1:
+        return True
+    is_embedding = name.endswith(_EMBEDDINGS)
+    if not last:
+        return is_embedding
+    return not is_embedding or (tied and name.endswith(("wte.weight", "embed_tokens.weight",
+                                                        "word_embeddings.weight", "embed_in.weight")))
+
+
 @lru_cache(maxsize=1024)
-def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int) -> RankShare:
+def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int, last: bool = False) -> RankShare:
     tensors = parameter_tensors(model)
     layers_here = -(-model.num_layers // pp)
     numels = []
     module_numels: dict[str, int] = {}
     per_layer = head = embedding = 0
     for t in tensors:
-        if t.layer is not None and t.layer >= layers_here:
-            continue  # a later pipeline stage's layer
-        numel = t.numel // tp if tp > 1 and _sharded(t.name) else t.numel
-        if pp > 1 and t.layer is None and "lm_head" not in t.name and not t.name.endswith(("wte.weight",
-                "embed_tokens.weight", "word_embeddings.weight", "embed_in.weight", "wpe.weight")):
-            continue  # final norm lives on the last stage; the first stage is the most loaded
-        if pp > 1 and "lm_head" in t.name:
+        if not _on_stage(t.name, t.layer, layers_here, pp, last, model.tie_word_embeddings):
             continue
+        numel = t.numel // tp if tp > 1 and _sharded(t.name) else t.numel
         numels.append(numel)
         if numel > persist:
             module = t.name.rsplit(".", 1)[0]
             module_numels[module] = module_numels.get(module, 0) + numel
         if t.layer == 0:
             per_layer += numel
-        elif t.layer is None and t.name.endswith(("wte.weight", "embed_tokens.weight", "word_embeddings.weight",
-                                                  "embed_in.weight", "wpe.weight")):
+        elif t.layer is None and t.name.endswith(_EMBEDDINGS[:5]):
             embedding += numel
         if "lm_head" in t.name or "embed_out" in t.name:
             head += numel
     buffers, pieces = _zero2_buffers(numels, n)
     modules = list(module_numels.values())
-    if not head:  # tied: lm_head is the word embedding, fetched again after the final norm
+    if not head and (pp == 1 or last):  # tied: lm_head is the word embedding, fetched again after the final norm
         head = next(t.numel for t in tensors) // max(1, tp)
-        modules.append(head)
+        if pp == 1:
+            modules.append(head)
     return RankShare(
         params=sum(numels), per_layer=per_layer, layers=layers_here, head=head, largest=max(numels),
         zero3_partition=sum(-(-x // n) for x in numels),
@@ -102,7 +116,7 @@ def _zero2_buffers(numels: list[int], n: int) -> tuple[list[int], list[int]]:
     return per_rank, piece
 
 
-def rank_share(job: Job) -> RankShare:
-    """The most loaded rank's share: under pp the first stage (embeddings and the most activations)."""
+def rank_share(job: Job, last: bool = False) -> RankShare:
+    """One rank's share of the model: under pp the first stage's, or with ``last`` the last stage's."""
     lay, z = job.layout, job.training.zero
-    return _share(job.model, lay.tp, lay.pp, lay.zero_group, z.stage3_param_persistence_threshold)
+    return _share(job.model, lay.tp, lay.pp, lay.zero_group, z.stage3_param_persistence_threshold, last)

@@ -76,27 +76,45 @@ def zero3_turn_gathered(job: Job, share: RankShare) -> int:
 def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tuple[str, list[Part]]]:
     """All modelled moments of a step, each with the parts alive then.
 
-    ``stepped=False``: no optimizer step has succeeded yet (fp16's loss scaler skips overflowing steps;
-    optimizers create their states lazily at the first real step)."""
+    Under pipeline parallelism the first and the last stage are both modelled (phase names start with the
+    stage); the peak of the two is the most loaded rank's. ``stepped=False``: no optimizer step has
+    succeeded yet (fp16's loss scaler skips overflowing steps; optimizers create their states lazily)."""
+    lay = job.layout
+    if lay.pp == 1:
+        return _stage_phases(job, rank_share(job), rank0, stepped, first=True, last=True)
+    # 1F1B (deepspeed/runtime/pipe/schedule.py TrainSchedule.num_pipe_buffers): stage s keeps
+    # min(pp − s, micro-batches) micro-batches in flight
+    first = _stage_phases(job, rank_share(job), rank0, stepped, first=True, last=False)
+    last = _stage_phases(job, rank_share(job, last=True), rank0, stepped, first=False, last=True)
+    return ([(f"stage 0, {name}", parts) for name, parts in first]
+            + [(f"stage {lay.pp - 1}, {name}", parts) for name, parts in last])
+
+
+def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first: bool,
+                  last: bool) -> list[tuple[str, list[Part]]]:
+    """The phases of one rank holding ``share``; ``first`` holds the embeddings, ``last`` the head and loss."""
     t, z, lay, m = job.training, job.training.zero, job.layout, job.model
     b = dtype_bytes(t.dtype)
-    share = rank_share(job)
     st = model_states(job, share, rank0)
     tokens = job.tokens_per_rank
     seq_attn = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
-    layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1) * tokens
+    layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, False, lay.tp) * tokens
     if t.checkpointing == "full":
         layer_saved = act.layer_input_bytes_per_token(m, b) * tokens
     elif t.checkpointing == "selective":
-        layer_saved = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, True) * tokens
+        layer_saved = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, True, lay.tp) * tokens
     else:
         layer_saved = layer_full
     recompute = layer_full if t.checkpointing == "full" else 0
-    in_flight = min(lay.pp, t.grad_accum) if lay.pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
-    head_saved = sum(x.bytes_per_token for x in head.saved_terms(m, b, seq_attn)) * tokens
-    lsm = 4 * m.vocab_size * tokens
-    acts_all = in_flight * share.layers * layer_saved + head_saved
-    transient = act.backward_transient_bytes_per_token(m, b, t.attention, seq_attn) * tokens
+    in_flight = min(lay.pp, t.grad_accum) if first and lay.pp > 1 else 1
+    # a pipeline stage keeps each in-flight micro-batch's output (pipe_buffers["outputs"]) for its backward,
+    # and a later stage the received input it differentiates (pipe_buffers["inputs"]): [T, h] each
+    pipe = in_flight * b * m.hidden_size * tokens if lay.pp > 1 else 0
+    head_saved = (sum(x.bytes_per_token for x in head.saved_terms(m, b, seq_attn, lay.tp)) * tokens if last
+                  else 8 * tokens)  # the first stage alone keeps only the input ids for the embedding
+    lsm = 4 * m.vocab_size // lay.tp * tokens if last else 0
+    acts_all = in_flight * share.layers * layer_saved + head_saved + pipe
+    transient = act.backward_transient_bytes_per_token(m, b, t.attention, seq_attn, lay.tp) * tokens
 
     base = [("params_16bit", st.params_16bit, "16-bit parameters (ZeRO-3: this rank's partitions)"),
             ("params_persistent", st.params_persistent, "ZeRO-3 persistent (always gathered) parameters"),
@@ -140,18 +158,13 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
     layer_transient = max(transient, weight_grad + b * tokens * (m.hidden_size + m.intermediate_size))
     lm_head_grad = b * share.head if z.stage >= 1 and not m.tie_word_embeddings else 0
 
-    return [
-        ("forward, loss", fwd + [
-            ("activations", acts_all, f"{share.layers} layers × {in_flight} micro-batch(es) + outside layers"),
-            ("logits_loss", head.forward_loss_transient_per_token(m, b) * tokens, "logits and their fp32 upcast")]),
-        ("backward, loss", fwd + [
-            ("activations", acts_all, "all layers + outside layers"),
-            ("logits_loss", head.backward_loss_transient_per_token(m, b) * tokens, "nll and log_softmax grads")]),
-        ("backward, lm_head", fwd + tied + [
-            ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
-            ("activations", acts_all - lsm, "all layers + outside layers but the loss"),
-            ("logits_loss", head.lm_head_backward_transient_per_token(m, b) * tokens + lm_head_grad,
-             "grad of the logits and of lm_head's input; lm_head's weight grad")]),
+    vocab_tp = lay.tp  # the loss is vocabulary-parallel under tp (logits [T, V/tp])
+    step = ("optimizer step", [x for x in base if x[0] != "params_gathered"] + [
+        ("gradients", st.grads_full if whole_grads else (st.grads_resident if z.stage != 3 else 0),
+         "gradients at the step"),
+        ("optimizer_step_transient", _step_transient(t.optimizer, st) if stepped else 0,
+         "fp32 grads and optimizer temporaries")])
+    layers = [
         ("backward, last layer", fwd + tied + [
             ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
             ("activations", acts_all - lsm + recompute - (layer_saved if recompute else 0),
@@ -159,14 +172,28 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
         ("backward, layer 0", fwd + tied + [
             ("gradients", grads_bottom, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
-            ("activations", layer_saved * (in_flight - 1) * share.layers + recompute + layer_saved * (not recompute),
-             "layer 0"),
+            ("activations", layer_saved * (in_flight - 1) * share.layers + recompute + layer_saved * (not recompute)
+             + pipe, "layer 0 (+ the other in-flight micro-batches)"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
-        ("optimizer step", [x for x in base if x[0] != "params_gathered"] + [
-            ("gradients", st.grads_full if whole_grads else (st.grads_resident if z.stage != 3 else 0),
-             "gradients at the step"),
-            ("optimizer_step_transient", _step_transient(t.optimizer, st) if stepped else 0,
-             "fp32 grads and optimizer temporaries")]),
+    ]
+    if not last:
+        in_flight_note = f"{share.layers} layers × {in_flight} micro-batch(es) in flight"
+        return [("forward, end of stage", fwd + [("activations", acts_all, in_flight_note)]), *layers, step]
+    return [
+        ("forward, loss", fwd + [
+            ("activations", acts_all, f"{share.layers} layers × {in_flight} micro-batch(es) + outside layers"),
+            ("logits_loss", head.forward_loss_transient_per_token(m, b) * tokens // vocab_tp,
+             "logits and their fp32 upcast")]),
+        ("backward, loss", fwd + [
+            ("activations", acts_all, "all layers + outside layers"),
+            ("logits_loss", head.backward_loss_transient_per_token(m, b) * tokens // vocab_tp,
+             "nll and log_softmax grads")]),
+        ("backward, lm_head", fwd + tied + [
+            ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
+            ("activations", acts_all - lsm, "all layers + outside layers but the loss"),
+            ("logits_loss", head.lm_head_backward_transient_per_token(m, b, vocab_tp) * tokens + lm_head_grad,
+             "grad of the logits and of lm_head's input; lm_head's weight grad")]),
+        *layers, step,
     ]
 
 
