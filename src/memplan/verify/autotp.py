@@ -34,9 +34,6 @@ def unsupported_reason(job: Job, mode: str) -> str | None:
         return f"tp > 1 with ZeRO {t.zero.stage}: the harness measures AutoTP with ZeRO 0-2"
     if lay.sp > 1 or lay.pp > 1:
         return "tp > 1 combined with sp or pp: not measured by this harness"
-    if job.model.num_kv_heads % lay.tp or job.model.num_heads % lay.tp:
-        return (f"tp {lay.tp} must divide the attention heads ({job.model.num_heads}) and key-value heads "
-                f"({job.model.num_kv_heads})")
     return None
 
 

@@ -85,10 +85,10 @@ def run_worker(task: dict[str, Any], work: Path, timeout_s: float, world: int) -
     log = work / "worker.log"
     t0 = time.perf_counter()
     code = _spawn(module, log, timeout_s, env)
-    last = world - 1
-    if task["mode"] == "emulated" and task["job"]["layout"]["pp"] > 1 and code == 0:
+    first_ok = code == 0 and (work / "rank0.json").exists() and json.loads((work / "rank0.json").read_text())["status"] == "ok"
+    if task["mode"] == "emulated" and task["job"]["layout"]["pp"] > 1 and first_ok:
         # pipeline: the first stage is rank 0; the last stage (it holds the logits) is emulated as rank world-1
-        write_json_atomic(str(work / "task.json"), {**task, "emulated_rank": last, "meta_pass": False})
+        write_json_atomic(str(work / "task.json"), {**task, "emulated_rank": world - 1, "meta_pass": False})
         code = _spawn(module, log, max(1.0, timeout_s - (time.perf_counter() - t0)), env)
     rows = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
     if code is None and any(r.get("status") not in ("ok", None) for r in rows):
@@ -112,7 +112,9 @@ def _most_loaded(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _per_rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = ("rank", "status", "peak_allocated_bytes", "peak_reserved_bytes", "init_peak_allocated_bytes")
-    return [{k: r.get(k) for k in keys} for r in sorted(rows, key=lambda r: r.get("rank", 0))]
+    extra = ("pp_stage", "stage_params", "tp_rank", "dp_rank")  # pipeline stage / AutoTP place, where run
+    return [{k: r.get(k) for k in keys} | {k: r[k] for k in extra if k in r}
+            for r in sorted(rows, key=lambda r: r.get("rank", 0))]
 
 
 def extrapolate(p_k: int | None, p_2k: int | None, k: int, full: int) -> int | None:
