@@ -102,7 +102,16 @@ def test_pipeline_emulates_first_and_last_stage(tmp_path, config):
     row = runner.measure_job(job, name="pp2", out_dir=str(tmp_path), steps=2, device="cpu", timeout_s=300)
     assert row["status"] == "ok", row["error"]
     assert [r["rank"] for r in row["per_rank"]] == [0, 1] and [r["pp_stage"] for r in row["per_rank"]] == [0, 1]
-    assert [p["name"] for p in row["phases"]] == ["init", "step0.train_batch", "step1.train_batch"]
+    stages = [json.loads((tmp_path / "work" / "pp2" / "full" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    first, last = ([p["name"] for p in st["phases"]] for st in stages)
+    assert first[:2] == last[:2] == ["init", "step0.setup"] and first[-1] == last[-1] == "step1.step"
+    # 1F1B with 2 stages and 2 micro-batches: the first stage runs both forwards before its first backward,
+    # the last stage alternates
+    f, b = "forward", "backward"
+    assert [n for n in first if n.startswith("step1.micro")] == [f"step1.micro{m}.{k}" for m, k in
+                                                                 ((0, f), (1, f), (0, b), (1, b))]
+    assert [n for n in last if n.startswith("step1.micro")] == [f"step1.micro{m}.{k}" for m, k in
+                                                                ((0, f), (0, b), (1, f), (1, b))]
     assert row["global_steps"] == 2 and row["skipped_steps"] == 0
     # the stages hold every parameter once, except the tied embedding, which the first and last stage both hold
     tied = model.vocab_size * model.hidden_size

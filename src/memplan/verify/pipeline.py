@@ -264,8 +264,54 @@ def initialize(task: dict[str, Any], job: Job, device: str):
     return engine, module, config
 
 
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+class InstructionPhases:
+    """One recorder phase per pipeline instruction of train_batch (PipelineEngine._exec_schedule runs them).
+
+    Phases are gap-free: "step{s}.setup" from train_batch's start to its first instruction, then
+    "step{s}.micro{m}.forward" / ".backward" (m counts this stage's micro-batches), "step{s}.step" for the
+    optimizer step and "step{s}.i{k}.<instruction>" for loads, sends, receives and gradient reductions; the
+    last phase stays open until train_batch returns (its loss aggregation included).
+    """
+
+    def __init__(self, engine, rec):
+        self.rec, self.step, self.k = rec, 0, 0
+        self.counts: dict[str, int] = {}
+        wrapped = {cmd: self._wrap(cmd.__name__, fn) for cmd, fn in type(engine)._INSTRUCTION_MAP.items()}
+        engine._INSTRUCTION_MAP = wrapped  # an instance attribute: _exec_schedule looks it up on self
+
+    def _wrap(self, cmd_name: str, fn):
+        def run(engine, **kwargs):
+            self._next(_snake(cmd_name))
+            return fn(engine, **kwargs)
+
+        return run
+
+    def _next(self, kind: str) -> None:
+        if kind in ("forward_pass", "backward_pass"):
+            m = self.counts.get(kind, 0)
+            self.counts[kind] = m + 1
+            name = f"step{self.step}.micro{m}.{kind.split('_')[0]}"
+        elif kind == "optimizer_step":
+            name = f"step{self.step}.step"
+        else:
+            name = f"step{self.step}.i{self.k:02d}.{kind}"
+        self.k += 1
+        self.rec.end()
+        self.rec.begin(name)
+
+    def train_batch(self, engine, data, step: int) -> None:
+        self.step, self.k, self.counts = step, 0, {}
+        self.rec.begin(f"step{step}.setup")
+        engine.train_batch(data_iter=data)
+        self.rec.end()
+
+
 def train(engine, config, job: Job, rec, steps: int, device: str) -> None:
-    """`steps` calls of engine.train_batch (1F1B over grad_accum micro-batches), one phase each."""
+    """`steps` calls of engine.train_batch (1F1B over grad_accum micro-batches), one phase per instruction."""
     import torch
 
     t = job.training
@@ -276,10 +322,9 @@ def train(engine, config, job: Job, rec, steps: int, device: str) -> None:
             yield ids, ids
 
     data = batches()
+    phases = InstructionPhases(engine, rec)
     for s in range(steps):
-        rec.begin(f"step{s}.train_batch")
-        engine.train_batch(data_iter=data)
-        rec.end()
+        phases.train_batch(engine, data, s)
 
 
 def stage_note(engine) -> dict[str, Any]:
