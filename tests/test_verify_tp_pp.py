@@ -147,5 +147,8 @@ def test_real_ranks_on_cpu(tmp_path, parallel):
     if parallel == "tp":
         assert [(r["tp_rank"], r["dp_rank"]) for r in row["per_rank"]] == [(0, 0), (1, 0)]
         assert row["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
+        # AutoTP shards: each rank holds fewer parameters than the whole model, the two together at least all
+        held = [r["rank_params"] for r in row["per_rank"]]
+        assert max(held) < row["meta_params"] <= sum(held)
     else:
         assert [r["pp_stage"] for r in row["per_rank"]] == [0, 1]

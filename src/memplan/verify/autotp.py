@@ -47,9 +47,10 @@ def seed_batches() -> int:
     return dp_rank
 
 
-def tp_note() -> dict[str, int]:
-    """This rank's place in the (dp, tp) mesh, for the row."""
+def tp_note(engine) -> dict[str, int]:
+    """This rank's place in the (dp, tp) mesh and the parameters it holds after AutoTP's sharding."""
     from deepspeed.utils import groups
 
     return {"tp_rank": groups.get_tensor_model_parallel_rank(), "tp_size": groups.get_tensor_model_parallel_world_size(),
-            "dp_rank": groups.get_data_parallel_rank()}
+            "dp_rank": groups.get_data_parallel_rank(),
+            "rank_params": sum(p.numel() for p in engine.module.parameters())}

@@ -112,7 +112,7 @@ def _most_loaded(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _per_rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = ("rank", "status", "peak_allocated_bytes", "peak_reserved_bytes", "init_peak_allocated_bytes")
-    extra = ("peak_phase", "pp_stage", "stage_params", "tp_rank", "dp_rank")  # stage / AutoTP place where run
+    extra = ("peak_phase", "pp_stage", "stage_params", "tp_rank", "dp_rank", "rank_params")  # where run
     return [{k: r.get(k) for k in keys} | {k: r[k] for k in extra if k in r}
             for r in sorted(rows, key=lambda r: r.get("rank", 0))]
 

@@ -167,7 +167,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             rec.end()
             if job.layout.tp > 1:
                 autotp.seed_batches()  # every rank of a TP group draws the same token batches
-                row.update(autotp.tp_note())
+                row.update(autotp.tp_note(engine))
             train(engine, model, job, rec, task["steps"], device, sp_rank)
         # steps the loss scaler / overflow check skipped: until one succeeds no optimizer state exists
         row["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
