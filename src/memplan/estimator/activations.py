@@ -150,19 +150,18 @@ def layer_terms(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = 
         terms = (_layernorm(b, h, "ln_1") + [Term("attn.proj_input", b * h, "ln_1 out [T, h]")]
                  + _attention_core(m, b, attention, seq, qkv_fused=True) + _layernorm(b, h, "ln_2")
                  + _plain_mlp(m, b) + _dropout_masks(m, 2))
-    elif m.family == "gpt_neox":
+    elif m.family == "gpt_neox":  # fused qkv; RoPE on a slice makes new q and k, v stays a view of qkv
+        core = _attention_core(m, b, attention, seq, qkv_fused=False)
+        if sdpa_backend(m, b, attention) == "eager":  # matmuls save q, k and the fused storage behind v
+            core = [t for t in core if t.name not in ("attn.q", "attn.k_repeated", "attn.v_repeated")]
+        else:  # the kernel gets v copied out of the fused qkv
+            core = [Term("attn.v_contiguous", b * h, "v copied out of the fused qkv for the kernel [T, h]")] + [
+                t for t in core if t.name not in ("attn.q", "attn.k", "attn.v")]
         terms = (_layernorm(b, h, "input_layernorm") + [Term("attn.proj_input", b * h, "[T, h]")]
                  + [Term("attn.qkv_fused", b * 3 * h, "[T, 3h] (v is a view)"),
-                    Term("attn.q", b * h, "rotary q [T, h]"), Term("attn.k", b * h, "rotary k [T, h]"),
-                    Term("attn.v_contiguous", b * h, "v copied out of the fused qkv for the kernel [T, h]")]
-                 + _attention_core(m, b, attention, seq, qkv_fused=False)[3:]
-                 + _layernorm(b, h, "post_attention_layernorm", input_shared=m.parallel_residual)
+                    Term("attn.q", b * h, "rotary q [T, h]"), Term("attn.k", b * h, "rotary k [T, h]")]
+                 + core + _layernorm(b, h, "post_attention_layernorm", input_shared=m.parallel_residual)
                  + _plain_mlp(m, b) + _dropout_masks(m, 2))
-        if attention == "eager":
-            terms = (_layernorm(b, h, "input_layernorm") + [Term("attn.proj_input", b * h, "[T, h]")]
-                     + _attention_core(m, b, attention, seq, qkv_fused=False)
-                     + _layernorm(b, h, "post_attention_layernorm", input_shared=m.parallel_residual)
-                     + _plain_mlp(m, b) + _dropout_masks(m, 2))
     elif m.family == "bloom":  # eager only (alibi); fused qkv; softmax in fp32 then cast
         terms = (_layernorm(b, h, "input_layernorm") + [Term("attn.proj_input", b * h, "[T, h]")]
                  + _attention_core(m, b, "eager", seq, qkv_fused=True)

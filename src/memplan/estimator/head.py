@@ -36,13 +36,19 @@ def saved_terms(m: ModelSpec, b: int, seq: int = 0, tp: int = 1) -> tuple[Term, 
     return tuple(terms)
 
 
-def forward_loss_transient_per_token(m: ModelSpec, b: int) -> int:
-    """At the loss in forward: logits [T, V] in the training dtype and their fp32 upcast."""
-    return b * m.vocab_size + (4 * m.vocab_size if b != 4 else 0)
+def forward_loss_transient_per_token(m: ModelSpec, b: int, tp: int = 1) -> int:
+    """At the loss in forward: logits [T, V] in the training dtype and their fp32 upcast. Under tp, DeepSpeed's
+    vocabulary-parallel loss (sequence/cross_entropy.py _VocabParallelCrossEntropy.forward) also holds
+    ``logits - max`` [T, V/tp] fp32 while it computes the saved exp."""
+    v = m.vocab_size // tp
+    return b * v + (4 * v if b != 4 else 0) + (4 * v if tp > 1 else 0)
 
 
-def backward_loss_transient_per_token(m: ModelSpec, b: int) -> int:
-    """At log_softmax's backward: nll_loss's grad and log_softmax's grad, both [T, V] fp32."""
+def backward_loss_transient_per_token(m: ModelSpec, b: int, tp: int = 1) -> int:
+    """At log_softmax's backward: nll_loss's grad and log_softmax's grad, both [T, V] fp32. Under tp, the
+    vocabulary-parallel loss's backward: grad_logits [T, V/tp] fp32 and its cast to the logits' dtype."""
+    if tp > 1:
+        return (4 + b) * (m.vocab_size // tp)
     return 2 * 4 * m.vocab_size
 
 

@@ -31,6 +31,10 @@ def model_states(job: Job, share: RankShare, rank0: bool = False) -> States:
     g = dtype_bytes(t.grad_accum_dtype or t.dtype)
     c = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
     n = lay.zero_group
+    # engine._do_optimizer_sanity_check: BFLOAT16 for bf16 at ZeRO-0 under pipeline parallelism, and for
+    # bf16 + ZeRO-1 + fp32 accumulation
+    if z.stage == 0 and t.dtype == "bf16" and lay.pp > 1:
+        return bf16_optimizer(share.params, lay.dp, t.optimizer, g)
     if z.stage == 0:
         return stage0(share.params, b, t.optimizer)
     if z.stage == 1 and t.dtype == "bf16" and t.grad_accum_dtype == "fp32" and z.offload_optimizer == "none":
@@ -108,8 +112,14 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
     recompute = layer_full if t.checkpointing == "full" else 0
     in_flight = min(lay.pp, t.grad_accum) if first and lay.pp > 1 else 1
     # a pipeline stage keeps each in-flight micro-batch's output (pipe_buffers["outputs"]) for its backward,
-    # and a later stage the received input it differentiates (pipe_buffers["inputs"]): [T, h] each
-    pipe = in_flight * b * m.hidden_size * tokens if lay.pp > 1 else 0
+    # and a later stage the received input it differentiates (pipe_buffers["inputs"]): [T, h] each. The last
+    # stage's outputs are the logits; its backward returns before clearing them (PipelineEngine.
+    # _exec_backward_pass), so both of its buffers (TrainSchedule.num_pipe_buffers: at least 2) keep logits.
+    pipe = 0
+    if lay.pp > 1:
+        pipe = in_flight * b * m.hidden_size * tokens
+        if last:
+            pipe += min(2, max(2, t.grad_accum)) * b * m.vocab_size // lay.tp * tokens
     head_saved = (sum(x.bytes_per_token for x in head.saved_terms(m, b, seq_attn, lay.tp)) * tokens if last
                   else 8 * tokens)  # the first stage alone keeps only the input ids for the embedding
     lsm = 4 * m.vocab_size // lay.tp * tokens if last else 0
@@ -130,7 +140,10 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
     # what earlier micro-steps leave for the next one
     carried: list[Part] = []
     whole_grads = z.stage == 0 or st.full_grads_in_backward  # param.grad accumulate, no reduce hooks
-    if t.grad_accum > 1 and whole_grads:
+    # the pipeline engine moves a non-last stage's bf16 grads into BF16_Optimizer's buffer after every
+    # micro-step's backward (PipelineEngine._exec_backward_pass: update_hp_grads(clear_lp_grads=True))
+    moved_each_micro = st.full_grads_in_backward and lay.pp > 1 and not last
+    if t.grad_accum > 1 and whole_grads and not moved_each_micro:
         carried = [("gradients", st.grads_full, "accumulated 16-bit gradients")]
     elif t.grad_accum > 1 and z.stage == 1:
         carried = [("gradients", st.grads_full, "full 16-bit gradients until the boundary"),
@@ -182,11 +195,11 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
     return [
         ("forward, loss", fwd + [
             ("activations", acts_all, f"{share.layers} layers × {in_flight} micro-batch(es) + outside layers"),
-            ("logits_loss", head.forward_loss_transient_per_token(m, b) * tokens // vocab_tp,
+            ("logits_loss", head.forward_loss_transient_per_token(m, b, vocab_tp) * tokens,
              "logits and their fp32 upcast")]),
         ("backward, loss", fwd + [
             ("activations", acts_all, "all layers + outside layers"),
-            ("logits_loss", head.backward_loss_transient_per_token(m, b) * tokens // vocab_tp,
+            ("logits_loss", head.backward_loss_transient_per_token(m, b, vocab_tp) * tokens,
              "nll and log_softmax grads")]),
         ("backward, lm_head", fwd + tied + [
             ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),

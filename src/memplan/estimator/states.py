@@ -137,14 +137,15 @@ def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, o
                   4 * min(p3_part, sub_group) if step else 0, 0, host, nvme)
 
 
-def bf16_optimizer(p: int, n: int, optimizer: str) -> States:
+def bf16_optimizer(p: int, n: int, optimizer: str, grad_accum_bytes: int = 4) -> States:
     """bf16 training, ZeRO-1, data_types.grad_accum_dtype fp32: engine._do_optimizer_sanity_check picks
     runtime/bf16_optimizer.py BF16_Optimizer. It keeps the flat bf16 params (2·P padded to 2N), an fp32
     master partition (4·P/N, fp32_groups_flat_partition), a FULL fp32 gradient buffer allocated at
-    initialize (4·P padded, fp32_groups_gradients_flat), and optimizer states on the partition; the bf16
-    param.grad accumulate whole during backward and are added into the fp32 buffer after it."""
+    initialize (4·P padded, fp32_groups_gradients_flat, in the grad-accumulation dtype), and optimizer states
+    on the partition; the bf16 param.grad accumulate whole during backward and are added into that buffer
+    after it. The pipeline engine also takes this path for bf16 at ZeRO-0, accumulating in bf16."""
     opt = OPTIMIZERS[optimizer]
     p_pad = round_up(p, NCCL_START_ALIGNMENT_FACTOR * n)
     part = p_pad // n
     return States(2 * p_pad, 0, 4 * part, 4 * opt.states_per_param * part, 2 * p_pad, 2 * p_pad, 0, 0, 0, 0,
-                  0, 0, grad_accum_buffer=4 * p_pad, full_grads_in_backward=True)
+                  0, 0, grad_accum_buffer=grad_accum_bytes * p_pad, full_grads_in_backward=True)
