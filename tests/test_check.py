@@ -204,3 +204,29 @@ def test_seed_config_reads(seed_out):
     cfg = load_ds_config(SEED / "ds_config_ulysses.json")
     settings_, _ = ds_rules(cfg)
     assert settings_ is not None and settings_.zero_stage == 3
+
+
+def test_autotp_batch_counts_every_rank(tmp_path):
+    """AutoTP: DeepSpeedConfig checks train_batch_size before the tp mesh exists, so it counts all ranks
+    (deepspeed/__init__.py parses the config first): micro × accum × world, not × dp."""
+    import json
+
+    from memplan.check.command import collect  # noqa: F401  (the library entry the CLI uses)
+    from memplan.cli import main
+
+    def findings(train_batch):
+        cfg = {"train_batch_size": train_batch, "train_micro_batch_size_per_gpu": 1,
+               "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+               "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}
+        path = tmp_path / f"ds{train_batch}.json"
+        path.write_text(json.dumps(cfg))
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["check", "--ds-config", str(path), "--model", "llama-3.2-1b", "--gpus", "8", "--json"])
+        return {f["subject"] for f in json.loads(out.getvalue())["findings"] if f["severity"] == "error"}
+
+    assert "train_batch_size" not in findings(8)
+    assert "train_batch_size" in findings(4)

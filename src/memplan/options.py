@@ -214,8 +214,11 @@ def _ds_batch(settings, fields: dict[str, Any], source: dict[str, str]) -> None:
         return  # the layout error is reported by build_job, naming --gpus
     from .dsconfig import resolve_batch
 
+    # AutoTP: deepspeed.initialize parses the config before AutoTP's mesh exists (deepspeed/__init__.py), so
+    # DeepSpeedConfig counts every rank as data-parallel: train_batch_size = micro × accum × world
+    autotp = (getattr(settings, "autotp_size", None) or 1) > 1
     try:
-        batch = resolve_batch(settings, fields["world"] // inner)
+        batch = resolve_batch(settings, fields["world"] if autotp else fields["world"] // inner)
     except InputError as err:
         raise _relabel(err, "--ds-config") from None
     for key in ("micro_batch", "grad_accum"):

@@ -178,6 +178,11 @@ def batch_rules(s: DsSettings, lay: Layout, launch: Launch | None, megatron: boo
     dp = lay.dp
     if dp is None:
         return [], None
+    autotp = not megatron and (s.autotp_size or 1) > 1
+    if autotp and lay.world:
+        # deepspeed.initialize parses the config before AutoTP builds its mesh (deepspeed/__init__.py), so
+        # DeepSpeedConfig._batch_assertion counts every rank as data-parallel (runtime/config.py)
+        dp = lay.world
     out: list[Finding] = []
     if s.train_batch_size is None and s.micro_batch is None:
         return [error("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is set "
@@ -185,8 +190,10 @@ def batch_rules(s: DsSettings, lay: Layout, launch: Launch | None, megatron: boo
     batch = derive_batch(s.train_batch_size, s.micro_batch, s.grad_accum, dp)
     problem = batch_problem(batch, dp)
     if problem:
-        out.append(error("train_batch_size", f"{problem} (DeepSpeedConfig._batch_assertion; dp = world {lay.world} "
-                         f"/ (tp {lay.tp}·pp {lay.pp}·sp {lay.sp}))", "make train_batch_size = micro × accum × dp"))
+        why = (f"dp = world {lay.world}: with AutoTP the config is checked before the tp mesh exists" if autotp
+               else f"dp = world {lay.world} / (tp {lay.tp}·pp {lay.pp}·sp {lay.sp})")
+        out.append(error("train_batch_size", f"{problem} (DeepSpeedConfig._batch_assertion; {why})",
+                         "make train_batch_size = micro × accum × dp"))
         return out, None
     if s.grad_accum is None:
         out.append(info("gradient_accumulation_steps", f"derived: {batch['train_batch_size']} // micro "
