@@ -41,6 +41,32 @@ def quick_peak(job: Job, rank0: bool = False, stepped: bool = True) -> QuickPeak
     return QuickPeak(peak, reserved, reserved + other, st.host_bytes * rpn, st.nvme_bytes * rpn, name)
 
 
+def measurement_notes(job: Job) -> tuple[str, ...]:
+    """What in this job's figure rests on no measurement in benchmarks/accuracy/ (said in the output)."""
+    t, z, lay = job.training, job.training.zero, job.layout
+    notes = []
+    if "nvme" in (z.offload_optimizer, z.offload_param):
+        notes.append("NVMe offload is modelled from DeepSpeed's code but not measured (no NVMe rows)")
+    if t.checkpointing == "selective":
+        notes.append("selective checkpointing is modelled (Korthikanti et al. 2022), not measured: transformers "
+                     "offers full-layer checkpointing only")
+    if lay.tp > 1 and (z.stage == 3 or t.checkpointing == "selective" or lay.pp > 1):
+        notes.append("tp > 1 is measured as DeepSpeed AutoTP with ZeRO 0-2; this combination is modelled only")
+    if lay.tp > 1:
+        notes.append("tp is modelled as DeepSpeed AutoTP (replicated hidden states, vocabulary-parallel loss); "
+                     "Megatron-style sequence parallelism is not modelled")
+    if lay.pp > 1 and (t.checkpointing != "none" or t.attention == "eager" or job.model.family not in (
+            "llama", "mistral", "qwen2", "qwen3", "gpt2")):
+        notes.append("pp is measured for Llama- and GPT-2-style stacks without checkpointing; this job is modelled")
+    if lay.world > 1:
+        notes.append("CUDA context and NCCL buffers are documented constants, not measured "
+                     "(outside torch's allocator)")
+    if t.dtype == "fp16":
+        notes.append("fp16: the loss scaler may skip the first steps; until one succeeds no optimizer state exists "
+                     "(the estimate is the steady state)")
+    return tuple(notes)
+
+
 def estimate_job(job: Job) -> Estimate:
     """The full typed estimate: the breakdown at the peak and the timeline of phases."""
     phases = build_phases(job)
@@ -60,4 +86,5 @@ def estimate_job(job: Job) -> Estimate:
         job=job, peak_phase=peak_phase.name, components=components, timeline=timeline,
         peak_reserved_bytes=q.peak_reserved_bytes, non_torch_bytes=q.device_total_bytes - q.peak_reserved_bytes,
         host_bytes_per_node=q.host_bytes_per_node, nvme_bytes_per_node=q.nvme_bytes_per_node,
+        notes=measurement_notes(job),
     )
