@@ -6,7 +6,7 @@ from ..render import component_bytes, job_title
 from ..result import Estimate
 from ..units import GB, GiB
 from . import plots
-from .doc import Block, Figure, Heading, Para, Table
+from .doc import Block, Bullets, Figure, Heading, Para, Table
 from .series import Measured, seq_sweep, zero_sweep
 
 
@@ -102,7 +102,7 @@ def job_sections(est: Estimate, folder: str, measured: Measured | None = None, l
         " with the measured phase peaks overlaid" if measured else ""), f"{folder}/timeline",
         plots.timeline_plot(est, measured)))
     if est.notes:
-        blocks += [Heading("Notes", level + 1), Para(" ".join(est.notes))]
+        blocks += [Heading("Notes", level + 1), Bullets(tuple(est.notes))]
     return blocks
 
 
