@@ -54,7 +54,7 @@ SEED_FIELDS: dict[str, Any] = {
 FLAG_OF_FIELD: dict[str, str] = {
     "seq_len": "--seq", "seq": "--seq", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
     "world": "--gpus", "gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "tp": "--tp", "pp": "--pp",
-    "sp": "--sp", "stage": "--zero", "zero": "--zero", "offload_optimizer": "--offload-optimizer",
+    "sp": "--sp", "tp_sequence_parallel": "--tp-sequence-parallel", "stage": "--zero", "zero": "--zero", "offload_optimizer": "--offload-optimizer",
     "offload_param": "--offload-param", "dtype": "--dtype", "checkpointing": "--checkpointing",
     "attention": "--attention", "optimizer": "--optimizer", "model": "--model",
 }
@@ -72,7 +72,7 @@ DS_KEY_OF_FIELD: dict[str, str] = {
 #: arithmetic in the estimator exact in float64 where it divides)
 MAX_FLAG_INT = 2**40
 
-_LAYOUT_FIELDS = ("world", "gpus_per_node", "tp", "pp", "sp")
+_LAYOUT_FIELDS = ("world", "gpus_per_node", "tp", "pp", "sp", "tp_sequence_parallel")
 _CHOICES = {
     "zero": (0, 1, 2, 3),
     "offload": ("none", "cpu", "nvme"),
@@ -115,6 +115,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=positive_int, metavar="N", help=f"(default {DEFAULT_GPUS_PER_NODE})")
     g.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel size (1)")
     g.add_argument("--pp", type=positive_int, metavar="N", help="pipeline-parallel size (1)")
+    g.add_argument("--tp-sequence-parallel", action="store_const", const=True, default=None,
+                   help="Megatron-style sequence parallelism with --tp (modelled, not measured)")
     g.add_argument("--sp", type=positive_int, metavar="N", help="Ulysses sequence-parallel size (seed: 8)")
     g.add_argument("--zero", type=_zero_stage, metavar="0|1|2|3", help="ZeRO stage (seed: 3)")
     g.add_argument("--offload-optimizer", choices=_CHOICES["offload"], help="(seed: cpu)")
@@ -138,6 +140,7 @@ def _explicit_fields(args: argparse.Namespace) -> dict[str, Any]:
         "pp": getattr(args, "pp", None), "sp": getattr(args, "sp", None), "dtype": getattr(args, "dtype", None),
         "checkpointing": getattr(args, "checkpointing", None), "attention": getattr(args, "attention", None),
         "optimizer": getattr(args, "optimizer", None),
+        "tp_sequence_parallel": getattr(args, "tp_sequence_parallel", None),
     }
     out = {k: v for k, v in flat.items() if v is not None}
     zero = {
@@ -331,7 +334,7 @@ def _field_error(field: str, message: str, source: dict[str, str], fields: dict[
 _SUBJECTS = (
     ("gpus (", "world"), ("seq (", "seq_len"), ("offload_param needs", "offload_param"),
     ("offload_optimizer needs", "offload_optimizer"), ("ZeRO stage", "stage"), ("Ulysses sp", "sp"),
-    ("num_layers", "pp"),
+    ("num_layers", "pp"), ("tp_sequence_parallel", "tp_sequence_parallel"),
 )
 
 

@@ -131,10 +131,15 @@ class Layout(_Frozen):
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
     sp: int = Field(1, gt=0)
+    tp_sequence_parallel: bool = Field(
+        False, description="Megatron-style sequence parallelism with tp (Korthikanti et al. 2022): the "
+        "activations outside attention and MLP are split over the tp ranks too")
 
     @model_validator(mode="after")
     def _check(self) -> Layout:
         inner = self.tp * self.pp * self.sp
+        if self.tp_sequence_parallel and self.tp == 1:
+            raise ValueError("tp_sequence_parallel needs tp > 1 (it splits tp's replicated activations)")
         if self.world % inner:
             raise ValueError(
                 f"gpus ({self.world}) must be divisible by tp·pp·sp ({self.tp}·{self.pp}·{self.sp} = {inner})"

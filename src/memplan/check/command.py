@@ -134,7 +134,11 @@ def estimate_for(ctx: dict, model: ModelSpec | None, args) -> tuple[object | Non
     training = _training(ctx, model)
     per_node = max(1, (ctx["layout"].world or 1) // args.nodes) if args.nodes else 8
     target, gpu_name, gpu_bytes = _budget(args)
+    launch = ctx.get("launch")
+    # Megatron's --sequence-parallel (with tp): Korthikanti et al. 2022 sequence parallelism
+    megatron_sp = bool(ctx["megatron"] and launch is not None and launch.has("--sequence-parallel"))
     for label, layout in _variants(ctx["layout"], model, training):
+        layout = {**layout, "tp_sequence_parallel": megatron_sp and layout["tp"] > 1}
         try:
             job = Job(model=model, training=training, layout=Layout(gpus_per_node=per_node, **layout))
         except ValidationError:

@@ -52,9 +52,12 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
                      "offers full-layer checkpointing only")
     if lay.tp > 1 and (z.stage == 3 or t.checkpointing == "selective" or lay.pp > 1):
         notes.append("tp > 1 is measured as DeepSpeed AutoTP with ZeRO 0-2; this combination is modelled only")
-    if lay.tp > 1:
-        notes.append("tp is modelled as DeepSpeed AutoTP (replicated hidden states, vocabulary-parallel loss); "
-                     "Megatron-style sequence parallelism is not modelled")
+    if lay.tp > 1 and lay.tp_sequence_parallel:
+        notes.append("Megatron-style sequence parallelism (--tp-sequence-parallel) is modelled (Korthikanti et "
+                     "al. 2022), not measured: DeepSpeed AutoTP, the measured tp, keeps activations whole")
+    elif lay.tp > 1:
+        notes.append("tp is modelled as DeepSpeed AutoTP (measured: replicated hidden states, vocabulary-parallel "
+                     "loss); for Megatron-style sequence parallelism pass --tp-sequence-parallel")
     if lay.pp > 1 and (t.checkpointing != "none" or t.attention == "eager" or job.model.family not in (
             "llama", "mistral", "qwen2", "qwen3", "gpt2")):
         notes.append("pp is measured for Llama- and GPT-2-style stacks without checkpointing; this job is modelled")

@@ -192,14 +192,17 @@ TP_SHARDED_PREFIXES = ("attn.q", "attn.k", "attn.v", "attn.out", "attn.logsumexp
 
 @lru_cache(maxsize=4096)
 def layer_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False,
-                          selective: bool = False, tp: int = 1) -> int:
+                          selective: bool = False, tp: int = 1, tp_sequence_parallel: bool = False) -> int:
     """Sum of layer_terms: bytes one layer keeps per token of this rank (``selective``: without the
-    attention core's score-sized tensors, recomputed in backward; ``tp``: sharded terms divided by tp)."""
+    attention core's score-sized tensors, recomputed in backward; ``tp``: sharded terms divided by tp;
+    ``tp_sequence_parallel``: Megatron's sequence parallelism splits the rest over tp too, Korthikanti et
+    al. 2022 §4.2.2 — modelled, not measured)."""
     total = 0
     for t in layer_terms(m, b, attention, seq, ulysses):
         if selective and t.name in SELECTIVE_RECOMPUTED:
             continue
-        total += t.bytes_per_token // tp if tp > 1 and t.name.startswith(TP_SHARDED_PREFIXES) else t.bytes_per_token
+        split = tp > 1 and (tp_sequence_parallel or t.name.startswith(TP_SHARDED_PREFIXES))
+        total += t.bytes_per_token // tp if split else t.bytes_per_token
     return total
 
 

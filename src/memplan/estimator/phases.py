@@ -102,11 +102,12 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
     st = model_states(job, share, rank0)
     tokens = job.tokens_per_rank
     seq_attn = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
-    layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, False, lay.tp) * tokens
+    tsp = lay.tp_sequence_parallel
+    layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, False, lay.tp, tsp) * tokens
     if t.checkpointing == "full":
-        layer_saved = act.layer_input_bytes_per_token(m, b) * tokens
+        layer_saved = act.layer_input_bytes_per_token(m, b) * tokens // (lay.tp if tsp else 1)
     elif t.checkpointing == "selective":
-        layer_saved = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, True, lay.tp) * tokens
+        layer_saved = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, True, lay.tp, tsp) * tokens
     else:
         layer_saved = layer_full
     recompute = layer_full if t.checkpointing == "full" else 0
