@@ -334,7 +334,7 @@ def _field_error(field: str, message: str, source: dict[str, str], fields: dict[
 _SUBJECTS = (
     ("gpus (", "world"), ("seq (", "seq_len"), ("offload_param needs", "offload_param"),
     ("offload_optimizer needs", "offload_optimizer"), ("ZeRO stage", "stage"), ("Ulysses sp", "sp"),
-    ("num_layers", "pp"), ("tp_sequence_parallel", "tp_sequence_parallel"),
+    ("num_layers", "pp"), ("tp_sequence_parallel", "tp_sequence_parallel"), ("attention flash", "attention"),
 )
 
 

@@ -187,6 +187,12 @@ class Job(_Frozen):
             raise ValueError(f"num_attention_heads ({m.num_heads}) must be divisible by tp ({lay.tp})")
         if lay.tp > 1 and m.num_kv_heads % lay.tp:
             raise ValueError(f"num_key_value_heads ({m.num_kv_heads}) must be divisible by tp ({lay.tp})")
+        if t.attention == "flash" and (t.dtype == "fp32" or m.head_dim > 256 or m.head_dim % 8):
+            raise ValueError(
+                f"attention flash needs bf16 or fp16 and head_dim <= 256, a multiple of 8 (dtype {t.dtype}, "
+                f"head_dim {m.head_dim}; torch's FlashAttention kernel, sdp_utils check_flash_attention_*); "
+                "allowed: sdpa or eager"
+            )
         if t.zero.stage == 0 and t.grad_accum_dtype not in (None, t.dtype):
             raise ValueError(
                 f"ZeRO stage 0 cannot accumulate {t.dtype} gradients in {t.grad_accum_dtype} "
