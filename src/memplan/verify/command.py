@@ -1,4 +1,7 @@
-"""`memplan verify`: the job flags of estimate plus --steps, --layers, --launch, --out (see memplan.verify).
+"""Run the job for a few steps on a real GPU and report measured against predicted memory, per phase.
+
+The job flags of estimate plus --steps, --layers, --launch, --out; the protocol is memplan.verify's docstring
+(emulated ranks on one GPU by default, real ranks with --launch).
 
 Exit codes: 0 measured (status ok), 1 measured something else (oom, error, timeout, unsupported: still a
 report), 2 bad input (one line naming the flag). Importing this module imports neither torch nor deepspeed.
