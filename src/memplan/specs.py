@@ -187,6 +187,12 @@ class Job(_Frozen):
             raise ValueError(f"num_attention_heads ({m.num_heads}) must be divisible by tp ({lay.tp})")
         if lay.tp > 1 and m.num_kv_heads % lay.tp:
             raise ValueError(f"num_key_value_heads ({m.num_kv_heads}) must be divisible by tp ({lay.tp})")
+        if m.position_embedding == "learned" and t.seq_len > m.max_position_embeddings:
+            raise ValueError(
+                f"seq ({t.seq_len}) exceeds the learned position table of {m.family} "
+                f"(n_positions {m.max_position_embeddings}): the embedding lookup would index out of range; "
+                f"allowed: seq <= {m.max_position_embeddings}"
+            )
         if t.attention == "flash" and (t.dtype == "fp32" or m.head_dim > 256 or m.head_dim % 8):
             raise ValueError(
                 f"attention flash needs bf16 or fp16 and head_dim <= 256, a multiple of 8 (dtype {t.dtype}, "

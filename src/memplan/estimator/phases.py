@@ -127,7 +127,9 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
     acts_all = in_flight * share.layers * layer_saved + head_saved + pipe
     transient = act.backward_transient_bytes_per_token(m, b, t.attention, seq_attn, lay.tp) * tokens
 
-    base = [("params_16bit", st.params_16bit, "16-bit parameters (ZeRO-3: this rank's partitions)"),
+    params_detail = {3: "16-bit parameter partitions of this rank (ZeRO-3)"}.get(
+        z.stage, f"{'16-bit' if b == 2 else 'fp32'} parameters, flat (whole model replica)")
+    base = [("params_16bit", st.params_16bit, params_detail),
             ("params_persistent", st.params_persistent, "ZeRO-3 persistent (always gathered) parameters"),
             ("master_params_fp32", st.master_fp32, "fp32 master weights"),
             ("optimizer_states", st.optimizer_states if stepped else 0, "optimizer states"),
