@@ -83,3 +83,8 @@ def test_evidence_extrapolation_is_the_rows_own():
     slope = (ev.depths[1].measured_bytes - ev.depths[0].measured_bytes) / (ev.depths[1].layers - k)
     assert ev.depths[0].measured_bytes + (ev.full_layers - k) * slope == pytest.approx(ev.measured_full_bytes,
                                                                                      rel=1e-9)
+
+
+def test_committed_seed_report_is_current(fresh_md):
+    """The committed page is what its command regenerates today: a model change must come with the report."""
+    assert _committed() == fresh_md, f"{STEM}.md is stale: run `{COMMAND}` from the repository root"
