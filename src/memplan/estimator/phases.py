@@ -9,6 +9,8 @@ activations.py and head.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..specs import Job
 from ..units import MiB, dtype_bytes
 from . import activations as act
@@ -94,39 +96,58 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
             + [(f"stage {lay.pp - 1}, {name}", parts) for name, parts in last])
 
 
-def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first: bool,
-                  last: bool) -> list[tuple[str, list[Part]]]:
-    """The phases of one rank holding ``share``; ``first`` holds the embeddings, ``last`` the head and loss."""
-    t, z, lay, m = job.training, job.training.zero, job.layout, job.model
-    b = dtype_bytes(t.dtype)
-    st = model_states(job, share, rank0)
-    tokens = job.tokens_per_rank
-    seq_attn = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
-    tsp = lay.tp_sequence_parallel
-    layer_full = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, False, lay.tp, tsp) * tokens
-    if t.checkpointing == "full":
-        layer_saved = act.layer_input_bytes_per_token(m, b) * tokens // (lay.tp if tsp else 1)
-    elif t.checkpointing == "selective":
-        layer_saved = act.layer_bytes_per_token(m, b, t.attention, seq_attn, lay.sp > 1, True, lay.tp, tsp) * tokens
-    else:
-        layer_saved = layer_full
-    recompute = layer_full if t.checkpointing == "full" else 0
-    in_flight = min(lay.pp, t.grad_accum) if first and lay.pp > 1 else 1
-    # a pipeline stage keeps each in-flight micro-batch's output (pipe_buffers["outputs"]) for its backward,
-    # and a later stage the received input it differentiates (pipe_buffers["inputs"]): [T, h] each. The last
-    # stage's outputs are the logits; its backward returns before clearing them (PipelineEngine.
-    # _exec_backward_pass), so both of its buffers (TrainSchedule.num_pipe_buffers: at least 2) keep logits.
-    pipe = 0
-    if lay.pp > 1:
-        pipe = in_flight * b * m.hidden_size * tokens
-        if last:
-            pipe += min(2, max(2, t.grad_accum)) * b * m.vocab_size // lay.tp * tokens
-    head_saved = (sum(x.bytes_per_token for x in head.saved_terms(m, b, seq_attn, lay.tp)) * tokens if last
-                  else 8 * tokens)  # the first stage alone keeps only the input ids for the embedding
-    lsm = 4 * m.vocab_size // lay.tp * tokens if last else 0
-    acts_all = in_flight * share.layers * layer_saved + head_saved + pipe
-    transient = act.backward_transient_bytes_per_token(m, b, t.attention, seq_attn, lay.tp) * tokens
+#: pipe buffers a last pipeline stage keeps logits in: TrainSchedule.num_pipe_buffers is at least 2 and the
+#: last stage's backward returns before clearing its outputs (PipelineEngine._exec_backward_pass)
+LAST_STAGE_LOGITS_BUFFERS = 2
 
+
+@dataclass(frozen=True, slots=True)
+class Activations:
+    """Activation bytes of one rank: per layer (saved, and whole when recomputed) and in total."""
+
+    layer_saved: int  # what one layer keeps for backward (its input only under full checkpointing)
+    recompute: int  # the layer recomputed in backward under full checkpointing (0 otherwise)
+    in_flight: int  # micro-batches whose activations are alive at once (1F1B on a first pipeline stage)
+    pipe: int  # pipeline buffers: in-flight outputs/inputs [T, h], and a last stage's logits
+    lsm: int  # the loss's saved fp32 [T, V/tp] (on the stage with the head)
+    total: int  # everything saved at the end of forward
+    transient: int  # gradient temporaries inside one layer's backward
+
+
+def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activations:
+    """What one rank keeps for backward, from activations.py and head.py, for this stage."""
+    t, lay, m = job.training, job.layout, job.model
+    b = dtype_bytes(t.dtype)
+    tokens = job.tokens_per_rank
+    seq = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
+    shape = (m, b, t.attention, seq, lay.sp > 1)
+    tsp = lay.tp_sequence_parallel
+    full = act.layer_bytes_per_token(*shape, False, lay.tp, tsp) * tokens
+    if t.checkpointing == "full":
+        saved = act.layer_input_bytes_per_token(m, b) * tokens // (lay.tp if tsp else 1)
+    elif t.checkpointing == "selective":
+        saved = act.layer_bytes_per_token(*shape, True, lay.tp, tsp) * tokens
+    else:
+        saved = full
+    in_flight = min(lay.pp, t.grad_accum) if first and lay.pp > 1 else 1
+    # each in-flight micro-batch's output (pipe_buffers["outputs"]) and received input ("inputs"): [T, h]
+    pipe = in_flight * b * m.hidden_size * tokens if lay.pp > 1 else 0
+    if lay.pp > 1 and last:
+        pipe += LAST_STAGE_LOGITS_BUFFERS * b * m.vocab_size // lay.tp * tokens
+    if last:
+        outside = sum(x.bytes_per_token for x in head.saved_terms(m, b, seq, lay.tp)) * tokens
+    else:
+        outside = 8 * tokens  # a first pipeline stage keeps only the input ids for the embedding
+    return Activations(
+        layer_saved=saved, recompute=full if t.checkpointing == "full" else 0, in_flight=in_flight, pipe=pipe,
+        lsm=4 * m.vocab_size // lay.tp * tokens if last else 0,
+        total=in_flight * share.layers * saved + outside + pipe,
+        transient=act.backward_transient_bytes_per_token(m, b, t.attention, seq, lay.tp) * tokens)
+
+
+def _base_parts(job: Job, share: RankShare, st: States, stepped: bool) -> list[Part]:
+    """What every moment of a step holds: model states, workspaces, and ZeRO-3's gathered working set."""
+    z, b = job.training.zero, dtype_bytes(job.training.dtype)
     params_detail = {3: "16-bit parameter partitions of this rank (ZeRO-3)"}.get(
         z.stage, f"{'16-bit' if b == 2 else 'fp32'} parameters, flat (whole model replica)")
     base = [("params_16bit", st.params_16bit, params_detail),
@@ -140,74 +161,102 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
         base += [("params_gathered", b * zero3_turn_gathered(job, share), "ZeRO-3 gathered working set"),
                  ("gradients", st.grads_resident, "ZeRO-3 gradient partitions"),
                  ("grad_bucket", st.grad_bucket, "ZeRO-3 IPG bucket (allocated at initialize)")]
-    # what earlier micro-steps leave for the next one
-    carried: list[Part] = []
-    whole_grads = z.stage == 0 or st.full_grads_in_backward  # param.grad accumulate, no reduce hooks
+    return base
+
+
+@dataclass(frozen=True, slots=True)
+class Grads:
+    """Gradient bytes through a micro-step: carried in from earlier micro-steps, then during backward."""
+
+    carried: tuple  # parts an earlier micro-step leaves for this one
+    top: int  # grads alive at the last layer's backward (besides carried)
+    bottom: int  # at layer 0's backward
+    bucket: int  # the IPG bucket(s) during backward
+    whole: bool  # param.grad accumulate whole (no reduce hooks): ZeRO-0, BF16_Optimizer
+
+
+def _grads(job: Job, share: RankShare, st: States, last: bool) -> Grads:
+    t, z, lay = job.training, job.training.zero, job.layout
+    b = dtype_bytes(t.dtype)
+    whole = z.stage == 0 or st.full_grads_in_backward
     # the pipeline engine moves a non-last stage's bf16 grads into BF16_Optimizer's buffer after every
     # micro-step's backward (PipelineEngine._exec_backward_pass: update_hp_grads(clear_lp_grads=True))
     moved_each_micro = st.full_grads_in_backward and lay.pp > 1 and not last
-    if t.grad_accum > 1 and whole_grads and not moved_each_micro:
-        carried = [("gradients", st.grads_full, "accumulated 16-bit gradients")]
+    carried: tuple = ()
+    if t.grad_accum > 1 and whole and not moved_each_micro:
+        carried = (("gradients", st.grads_full, "accumulated 16-bit gradients"),)
     elif t.grad_accum > 1 and z.stage == 1:
-        carried = [("gradients", st.grads_full, "full 16-bit gradients until the boundary"),
-                   ("grad_bucket", st.grad_bucket, "IPG bucket(s) held across micro-steps")]
+        carried = (("gradients", st.grads_full, "full 16-bit gradients until the boundary"),
+                   ("grad_bucket", st.grad_bucket, "IPG bucket(s) held across micro-steps"))
     elif t.grad_accum > 1 and z.stage == 2:
-        carried = [("gradients", st.grads_resident, "grads_in_partition across micro-steps")]
-    fwd = base + carried
-
-    if whole_grads:
-        grads_top, grads_bottom, bucket = b * (share.head + share.per_layer), st.grads_full, 0
+        carried = (("gradients", st.grads_resident, "grads_in_partition across micro-steps"),)
+    if whole:
+        top, bottom, bucket = b * (share.head + share.per_layer), st.grads_full, 0
     elif z.stage in (1, 2):
-        grads_top, grads_bottom, bucket = 0, st.grads_resident, st.grad_bucket
+        top, bottom, bucket = 0, st.grads_resident, st.grad_bucket
     else:
-        grads_top = grads_bottom = bucket = 0
+        top = bottom = bucket = 0
     if carried:
-        grads_top = grads_bottom = 0  # carried already holds them
+        top = bottom = 0  # carried already holds them
         bucket = 0 if z.stage == 1 else bucket
+    return Grads(carried, top, bottom, bucket, whole)
+
+
+def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first: bool,
+                  last: bool) -> list[tuple[str, list[Part]]]:
+    """The phases of one rank holding ``share``; ``first`` holds the embeddings, ``last`` the head and loss."""
+    t, z, lay, m = job.training, job.training.zero, job.layout, job.model
+    b = dtype_bytes(t.dtype)
+    tokens = job.tokens_per_rank
+    st = model_states(job, share, rank0)
+    a = _activations(job, share, first, last)
+    g = _grads(job, share, st, last)
+    base = _base_parts(job, share, st, stepped)
+    fwd = base + list(g.carried)
     # a tied embedding's grad is complete only after the embedding's backward: DeepSpeed's grad hook
     # (AccumulateGrad post-hook) cannot take it earlier, so the full b·V·h grad waits through backward
-    tied = [("tied_embedding_grad", b * share.head if m.tie_word_embeddings and z.stage > 0 and not whole_grads else 0,
-             "full grad of the tied word embedding, reduced after the embedding's backward")]
+    tied_bytes = b * share.head if m.tie_word_embeddings and z.stage > 0 and not g.whole else 0
+    tied = [("tied_embedding_grad", tied_bytes, "full grad of the tied word embedding (reduced late)")]
     # one module's full weight grad (ZeRO-2/3 reduce it after; stage 0/1 keep it as param.grad) with the
     # activation grads of its matmul
     weight_grad = b * share.largest_layer_module if z.stage >= 2 else 0
-    layer_transient = max(transient, weight_grad + b * tokens * (m.hidden_size + m.intermediate_size))
-    lm_head_grad = b * share.head if z.stage >= 1 and not m.tie_word_embeddings else 0
-
-    vocab_tp = lay.tp  # the loss is vocabulary-parallel under tp (logits [T, V/tp])
+    layer_transient = max(a.transient, weight_grad + b * tokens * (m.hidden_size + m.intermediate_size))
+    grads = [("grad_bucket", g.bucket, "IPG bucket(s)")]
     step = ("optimizer step", [x for x in base if x[0] != "params_gathered"] + [
-        ("gradients", st.grads_full if whole_grads else (st.grads_resident if z.stage != 3 else 0),
+        ("gradients", st.grads_full if g.whole else (st.grads_resident if z.stage != 3 else 0),
          "gradients at the step"),
         ("optimizer_step_transient", _step_transient(t.optimizer, st) if stepped else 0,
          "fp32 grads and optimizer temporaries")])
+    other_in_flight = a.layer_saved * (a.in_flight - 1) * share.layers
     layers = [
-        ("backward, last layer", fwd + tied + [
-            ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
-            ("activations", acts_all - lsm + recompute - (layer_saved if recompute else 0),
-             "all layers (the last one recomputed)" if recompute else "all layers"),
+        ("backward, last layer", fwd + tied + grads + [
+            ("gradients", g.top, "gradients so far"),
+            ("activations", a.total - a.lsm + a.recompute - (a.layer_saved if a.recompute else 0),
+             "all layers (the last one recomputed)" if a.recompute else "all layers"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
-        ("backward, layer 0", fwd + tied + [
-            ("gradients", grads_bottom, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
-            ("activations", layer_saved * (in_flight - 1) * share.layers + recompute + layer_saved * (not recompute)
-             + pipe, "layer 0 (+ the other in-flight micro-batches)"),
+        ("backward, layer 0", fwd + tied + grads + [
+            ("gradients", g.bottom, "gradients so far"),
+            ("activations", other_in_flight + (a.recompute or a.layer_saved) + a.pipe,
+             "layer 0 (+ the other in-flight micro-batches)"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
     ]
     if not last:
-        in_flight_note = f"{share.layers} layers × {in_flight} micro-batch(es) in flight"
-        return [("forward, end of stage", fwd + [("activations", acts_all, in_flight_note)]), *layers, step]
+        note = f"{share.layers} layers × {a.in_flight} micro-batch(es) in flight"
+        return [("forward, end of stage", fwd + [("activations", a.total, note)]), *layers, step]
+    lm_head_grad = b * share.head if z.stage >= 1 and not m.tie_word_embeddings else 0
     return [
         ("forward, loss", fwd + [
-            ("activations", acts_all, f"{share.layers} layers × {in_flight} micro-batch(es) + outside layers"),
-            ("logits_loss", head.forward_loss_transient_per_token(m, b, vocab_tp) * tokens,
+            ("activations", a.total, f"{share.layers} layers × {a.in_flight} micro-batch(es) + outside layers"),
+            ("logits_loss", head.forward_loss_transient_per_token(m, b, lay.tp) * tokens,
              "logits and their fp32 upcast")]),
         ("backward, loss", fwd + [
-            ("activations", acts_all, "all layers + outside layers"),
-            ("logits_loss", head.backward_loss_transient_per_token(m, b, vocab_tp) * tokens,
+            ("activations", a.total, "all layers + outside layers"),
+            ("logits_loss", head.backward_loss_transient_per_token(m, b, lay.tp) * tokens,
              "nll and log_softmax grads")]),
-        ("backward, lm_head", fwd + tied + [
-            ("gradients", grads_top, "gradients so far"), ("grad_bucket", bucket, "IPG bucket(s)"),
-            ("activations", acts_all - lsm, "all layers + outside layers but the loss"),
-            ("logits_loss", head.lm_head_backward_transient_per_token(m, b, vocab_tp) * tokens + lm_head_grad,
+        ("backward, lm_head", fwd + tied + grads + [
+            ("gradients", g.top, "gradients so far"),
+            ("activations", a.total - a.lsm, "all layers + outside layers but the loss"),
+            ("logits_loss", head.lm_head_backward_transient_per_token(m, b, lay.tp) * tokens + lm_head_grad,
              "grad of the logits and of lm_head's input; lm_head's weight grad")]),
         *layers, step,
     ]
