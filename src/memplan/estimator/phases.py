@@ -10,6 +10,7 @@ activations.py and head.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..specs import Job
 from ..units import MiB, dtype_bytes
@@ -60,22 +61,25 @@ def zero3_turn_gathered(job: Job, share: RankShare) -> int:
     stage3_max_live_parameters − available), overshooting by the last module it takes.
     """
     z = job.training.zero
-    kept = after = 0
-    skipped = []
     # a tied word embedding is the first module and lm_head the last: one parameter, gathered once
     modules = share.modules[1:] if job.model.tie_word_embeddings else share.modules
-    for numel in reversed(modules):
-        if after < z.stage3_max_reuse_distance:
-            kept += numel
-        else:
-            skipped.append(numel)
-        after += numel
-    budget = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters - kept)
+    return _turn_gathered(modules, z.stage3_max_reuse_distance, z.stage3_prefetch_bucket_size,
+                          z.stage3_max_live_parameters)
+
+
+@lru_cache(maxsize=4096)
+def _turn_gathered(modules: tuple[int, ...], reuse: int, prefetch: int, max_live: int) -> int:
+    kept = after = 0
+    i = len(modules)
+    while i and after < reuse:  # modules from the end while fewer than `reuse` elements follow them
+        i -= 1
+        kept += modules[i]
+        after += modules[i]
+    budget = min(prefetch, max_live - kept)
     fetched = 0
-    for numel in skipped:
-        if fetched >= budget:
-            break
-        fetched += numel
+    while i and fetched < budget:  # the prefetch walks on into the modules not kept
+        i -= 1
+        fetched += modules[i]
     return kept + fetched
 
 
