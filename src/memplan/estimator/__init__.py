@@ -31,14 +31,17 @@ def quick_peak(job: Job, rank0: bool = False, stepped: bool = True) -> QuickPeak
 
     ``rank0``: rank 0's figures instead of the most loaded rank's (what an emulated verify measures);
     ``stepped=False``: before the first successful optimizer step (see build_phases)."""
-    phases = build_phases(job, rank0, stepped)
+    return _summary(job, build_phases(job, rank0, stepped))
+
+
+def _summary(job: Job, phases) -> QuickPeak:
+    """The headline numbers of already built phases."""
     name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
     peak = sum(p[1] for p in parts)
     st = model_states(job, rank_share(job))
     reserved = reserved_bytes(job, peak, parts)
-    other = non_torch_bytes(job)
     rpn = _ranks_per_node(job)
-    return QuickPeak(peak, reserved, reserved + other, st.host_bytes * rpn, st.nvme_bytes * rpn, name)
+    return QuickPeak(peak, reserved, reserved + non_torch_bytes(job), st.host_bytes * rpn, st.nvme_bytes * rpn, name)
 
 
 def measurement_notes(job: Job) -> tuple[str, ...]:
@@ -73,18 +76,18 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
 def estimate_job(job: Job) -> Estimate:
     """The full typed estimate: the breakdown at the peak and the timeline of phases."""
     phases = build_phases(job)
+    q = _summary(job, phases)
     timeline = tuple(
         Phase(name=name, parts=tuple(Part(name=p[0], bytes=p[1], detail=p[2]) for p in parts if p[1]))
         for name, parts in phases
     )
-    peak_phase = max(timeline, key=lambda ph: ph.allocated_bytes)
+    peak_phase = next(ph for ph in timeline if ph.name == q.peak_phase)
     merged: dict[str, int] = {}
     details: dict[str, str] = {}
     for p in peak_phase.parts:
         merged[p.name] = merged.get(p.name, 0) + p.bytes
         details.setdefault(p.name, p.detail)
     components = tuple(Part(name=k, bytes=v, detail=details[k]) for k, v in merged.items())
-    q = quick_peak(job)
     return Estimate(
         job=job, peak_phase=peak_phase.name, components=components, timeline=timeline,
         peak_reserved_bytes=q.peak_reserved_bytes, non_torch_bytes=q.device_total_bytes - q.peak_reserved_bytes,
