@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..params import parameter_tensors
+from ..params import ParamTensor, parameter_tensors
 from ..specs import Job, ModelSpec
 
-#: Megatron-style tensor parallelism shards these per-layer matrices (Shoeybi et al. 2019, §3): column-
-#: parallel q/k/v, gate/up (fc_in), row-parallel o/down (fc_out); norms and row-parallel biases stay whole.
-_TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn", "c_fc",
-               "query_key_value", "dense_h_to_4h", "dense_4h_to_h", "attn.c_proj", "mlp.c_proj",
-               "attention.dense", "self_attention.dense", "experts", "embed_tokens", "wte", "word_embeddings",
-               "embed_in", "lm_head", "embed_out")
+#: Megatron-style tensor parallelism (Shoeybi et al. 2019, §3) and AutoTP shard these roles (params.Role):
+#: column-parallel attn_in / mlp_in (weight and bias), row-parallel attn_out / mlp_out (weight; bias whole),
+#: the vocabulary of the word embedding and lm_head. Norms, position tables and routers stay whole.
+_TP_SHARDED_ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out", "embedding", "lm_head")
+_ROW_PARALLEL = ("attn_out", "mlp_out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +35,9 @@ class RankShare:
     zero2_largest_piece_rank0: int
 
 
-def _sharded(name: str) -> bool:
-    return any(key in name for key in _TP_SHARDED) and not (name.endswith(".bias") and (
-        "o_proj" in name or "down_proj" in name or "c_proj" in name or "dense" in name and "h_to_4h" not in name))
+def _sharded(t: ParamTensor) -> bool:
+    """Whether tensor parallelism splits ``t`` over the tp ranks."""
+    return t.role in _TP_SHARDED_ROLES and not (t.is_bias and t.role in _ROW_PARALLEL)
 
 
 _EMBEDDINGS = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight", "embed_in.weight", "wpe.weight",
@@ -70,7 +69,7 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int, last: bool 
     for t in tensors:
         if not _on_stage(t.name, t.layer, layers_here, pp, last, model.tie_word_embeddings):
             continue
-        numel = t.numel // tp if tp > 1 and _sharded(t.name) else t.numel
+        numel = t.numel // tp if tp > 1 and _sharded(t) else t.numel
         numels.append(numel)
         if numel > persist:
             module = t.name.rsplit(".", 1)[0]
