@@ -1,0 +1,145 @@
+"""The allocation ledger: the ordered CUDA allocation events of one rank, the estimator's product.
+
+Every tensor or buffer the job allocates on the GPU is one entry: its name, the bytes requested (numel ×
+element size, before the caching allocator's rounding), the component it belongs to (``params_16bit``,
+``activations``, ``grad_bucket`` …), and the stream it is allocated on when that is not the default one
+(ZeRO's reduce and all-gather streams). Events are its allocation and its free, in the order torch,
+DeepSpeed and transformers issue them; marks name the phase that starts at an event ("step1.micro0.forward",
+"backward, layer 3") and the points where ``torch.cuda.empty_cache()`` runs. Peak allocated, the breakdown at
+the peak, the phases and the timeline are queries over it (this module); the caching allocator replays it for
+reserved memory (memplan.allocator). Measured traces (memplan.allocator.trace) are converted into the same
+structure, so predicted and measured compare event by event.
+
+Storage is columnar for speed (a 96-layer job is tens of thousands of events): tensor ``i`` is
+``names[i]``, ``sizes[i]``, ``components[i]``, ``streams[i]``; ``events`` holds ``i`` for its allocation and
+``~i`` (negative) for its free. Pure: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+#: the caching allocator's request granularity (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize):
+#: torch.cuda.memory_allocated counts each block at its size rounded up to a multiple of this
+MIN_BLOCK_BYTES = 512
+
+#: mark kinds
+PHASE = "phase"
+EMPTY_CACHE = "empty_cache"
+
+
+def block_bytes(nbytes: int) -> int:
+    """What the allocator counts for a request of ``nbytes``: rounded up to 512 bytes (0 stays 0)."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """A label at an event index: a phase that begins there, or an empty_cache() before that event."""
+
+    at: int  # index into Ledger.events of the first event after the mark
+    label: str
+    kind: str = PHASE
+
+
+class Ledger:
+    """Ordered allocation events of one rank (see the module docstring)."""
+
+    __slots__ = ("names", "sizes", "components", "streams", "events", "marks", "_live")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.sizes: list[int] = []
+        self.components: list[str] = []
+        self.streams: list[int] = []
+        self.events: list[int] = []
+        self.marks: list[Mark] = []
+        self._live: set[int] = set()
+
+    # -- building -------------------------------------------------------------------------------------
+    def alloc(self, name: str, nbytes: int, component: str, stream: int = 0) -> int:
+        """Allocate one tensor of ``nbytes`` requested bytes; returns its id (pass it to ``free``)."""
+        tid = len(self.sizes)
+        self.names.append(name)
+        self.sizes.append(int(nbytes))
+        self.components.append(component)
+        self.streams.append(stream)
+        self.events.append(tid)
+        self._live.add(tid)
+        return tid
+
+    def free(self, tid: int) -> None:
+        """Free tensor ``tid`` (allocated earlier, not freed yet)."""
+        self._live.remove(tid)
+        self.events.append(~tid)
+
+    def mark(self, label: str, kind: str = PHASE) -> None:
+        """Label what follows: a phase's start, or (kind EMPTY_CACHE) torch.cuda.empty_cache()."""
+        self.marks.append(Mark(len(self.events), label, kind))
+
+    def live(self) -> frozenset[int]:
+        """Ids of the tensors allocated and not yet freed, at the end of the ledger so far."""
+        return frozenset(self._live)
+
+    # -- queries --------------------------------------------------------------------------------------
+    def deltas(self) -> Iterator[int]:
+        """The change of allocated bytes (512-rounded) at each event."""
+        sizes = self.sizes
+        for ev in self.events:
+            yield block_bytes(sizes[ev]) if ev >= 0 else -block_bytes(sizes[~ev])
+
+    def peak(self, start: int = 0, stop: int | None = None, base: int | None = None) -> tuple[int, int]:
+        """(peak allocated bytes, index of the event that reaches it) over events[start:stop].
+
+        ``base``: allocated bytes before ``start`` (computed when not given). The index is -1 when the peak
+        is the base itself (nothing in the range exceeds what was live at its start)."""
+        sizes, events = self.sizes, self.events
+        cur = self.allocated_at(start) if base is None else base
+        best, at = cur, -1
+        for i in range(start, len(events) if stop is None else stop):
+            ev = events[i]
+            if ev >= 0:
+                cur += block_bytes(sizes[ev])
+                if cur > best:
+                    best, at = cur, i
+            else:
+                cur -= block_bytes(sizes[~ev])
+        return best, at
+
+    def allocated_at(self, index: int) -> int:
+        """Allocated bytes just before events[index]."""
+        sizes = self.sizes
+        total = 0
+        for ev in self.events[:index]:
+            total += block_bytes(sizes[ev]) if ev >= 0 else -block_bytes(sizes[~ev])
+        return total
+
+    def live_at(self, index: int) -> list[int]:
+        """Ids of the tensors alive just after events[index] (in allocation order)."""
+        alive: dict[int, None] = {}
+        for ev in self.events[: index + 1]:
+            if ev >= 0:
+                alive[ev] = None
+            else:
+                del alive[~ev]
+        return list(alive)
+
+    def by_component(self, tids: list[int]) -> dict[str, int]:
+        """512-rounded bytes of ``tids`` per component, in first-seen order."""
+        out: dict[str, int] = {}
+        for t in tids:
+            c = self.components[t]
+            out[c] = out.get(c, 0) + block_bytes(self.sizes[t])
+        return out
+
+    def phase_spans(self, kind: str = PHASE) -> list[tuple[str, int, int]]:
+        """(label, start, stop) of each mark of ``kind``: from its event to the next such mark (or the end)."""
+        marks = [m for m in self.marks if m.kind == kind]
+        ends = [m.at for m in marks[1:]] + [len(self.events)]
+        return [(m.label, m.at, end) for m, end in zip(marks, ends)]
+
+    def __len__(self) -> int:
+        return len(self.events)
