@@ -46,7 +46,11 @@ def job_of_row(row: dict) -> Job:
     from .errors import InputError
     from .presets import load_model
 
-    job = Job.model_validate(row.get("job"))
+    raw = row.get("job") or {}
+    if "loop" not in (raw.get("training") or {}):
+        # rows measured before verify ran other loops: its worker kept only the loss (``loss = engine(...).loss``)
+        raw = {**raw, "training": {**raw.get("training", {}), "loop": "loss"}}
+    job = Job.model_validate(raw)
     try:
         model = load_model(job.model.name)
     except InputError:

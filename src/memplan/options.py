@@ -56,7 +56,10 @@ FLAG_OF_FIELD: dict[str, str] = {
     "world": "--gpus", "gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "tp": "--tp", "pp": "--pp",
     "sp": "--sp", "tp_sequence_parallel": "--tp-sequence-parallel", "stage": "--zero", "zero": "--zero", "offload_optimizer": "--offload-optimizer",
     "offload_param": "--offload-param", "dtype": "--dtype", "checkpointing": "--checkpointing",
-    "attention": "--attention", "optimizer": "--optimizer", "model": "--model",
+    "attention": "--attention", "optimizer": "--optimizer", "model": "--model", "loop": "--loop",
+    "model_impl": "--model-impl", "lora": "--lora-rank", "rank": "--lora-rank", "targets": "--lora-targets",
+    "freeze": "--freeze", "allocator": "--alloc-conf", "max_split_size_mb": "--alloc-conf",
+    "roundup_power2_divisions": "--alloc-conf", "garbage_collection_threshold": "--alloc-conf",
 }
 
 #: the DeepSpeed config key a Job field is read from, to name it when the file supplied a bad value
@@ -79,8 +82,21 @@ _CHOICES = {
     "dtype": ("bf16", "fp16", "fp32"),
     "checkpointing": ("none", "selective", "full"),
     "attention": ("flash", "sdpa", "eager"),
-    "optimizer": ("adamw", "torch_adamw", "cpu_adam", "sgd", "lion"),
+    "optimizer": ("adamw", "torch_adamw", "torch_adamw_fused", "cpu_adam", "sgd", "lion"),
+    "loop": ("outputs", "loss", "hf-trainer"),
+    "model_impl": ("transformers", "megatron"),
 }
+
+
+def _unit_float(text: str) -> float:
+    """argparse type: a number in [0, 1)."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{str(text)[:40]!r} is not a number; allowed: 0 <= p < 1") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 0 <= p < 1")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -129,6 +145,26 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         help="(adamw; becomes cpu_adam under optimizer offload, as DeepSpeed uses DeepSpeedCPUAdam there)",
     )
     g.add_argument("--ds-config", metavar="PATH", help="DeepSpeed JSON; its values replace the seed's, flags win")
+    g.add_argument("--loop", choices=_CHOICES["loop"],
+                   help="training loop: outputs (DeepSpeed's tutorial loop keeps the model output; default), loss "
+                        "(only the loss survives the forward), hf-trainer (transformers' Trainer)")
+    g.add_argument("--alloc-conf", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True (default: torch's defaults)")
+    g.add_argument("--model-impl", choices=_CHOICES["model_impl"],
+                   help="code that builds the model: transformers (default) or megatron (Megatron's GPT)")
+    add_adapter_arguments(parser)
+
+
+def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """LoRA / PEFT and frozen-parameter flags (part of the job flags)."""
+    g = parser.add_argument_group("fine-tuning (default: full training)")
+    g.add_argument("--lora-rank", type=positive_int, metavar="R", help="LoRA rank r (adapters on a frozen base)")
+    g.add_argument("--lora-targets", metavar="LIST",
+                   help="adapted modules, comma-separated (q_proj,v_proj) or all-linear (default: peft's for the family)")
+    g.add_argument("--lora-dropout", type=_unit_float, metavar="P", help="dropout on the adapters' input (0)")
+    g.add_argument("--peft-config", metavar="PATH", help="adapter_config.json as peft writes it (instead of --lora-*)")
+    g.add_argument("--freeze", metavar="LIST",
+                   help="frozen parameter groups without adapters: embeddings, lm_head, norms, layers:N")
 
 
 def _explicit_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +177,7 @@ def _explicit_fields(args: argparse.Namespace) -> dict[str, Any]:
         "checkpointing": getattr(args, "checkpointing", None), "attention": getattr(args, "attention", None),
         "optimizer": getattr(args, "optimizer", None),
         "tp_sequence_parallel": getattr(args, "tp_sequence_parallel", None),
+        "loop": getattr(args, "loop", None), "model_impl": getattr(args, "model_impl", None),
     }
     out = {k: v for k, v in flat.items() if v is not None}
     zero = {
@@ -282,7 +319,76 @@ def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
     if settings is not None:
         _ds_batch(settings, fields, source)
     _resolve_optimizer(fields, source)
+    _adapter_fields(args, fields, source)
+    alloc = getattr(args, "alloc_conf", None)
+    if alloc is not None:
+        fields["allocator"], source["allocator"] = parse_alloc_conf(alloc, "--alloc-conf"), "flag"
     return fields, source
+
+
+#: PYTORCH_CUDA_ALLOC_CONF keys memplan models (c10/cuda/CUDAAllocatorConfig.cpp parseArgs); torch's other
+#: keys (pinned_*, backend) do not change device memory of the caching allocator
+_ALLOC_KEYS = ("expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
+               "garbage_collection_threshold")
+
+
+def parse_alloc_conf(text: str, flag: str) -> dict[str, Any]:
+    """``key:value,key:value`` as torch's CUDAAllocatorConfig parses it → AllocatorSpec fields."""
+    out: dict[str, Any] = {}
+    allowed = "allowed: comma-separated key:value with keys " + ", ".join(_ALLOC_KEYS)
+    if len(text) > 1000:
+        raise InputError(flag, f"{len(text)} characters is too long; {allowed}")
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in _ALLOC_KEYS:
+            raise InputError(flag, f"{item[:40]!r} is not a key torch takes here; {allowed}")
+        if key == "expandable_segments":
+            if value not in ("True", "False"):
+                raise InputError(flag, f"expandable_segments:{value[:20]} must be True or False")
+            out[key] = value == "True"
+        elif key == "garbage_collection_threshold":
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise InputError(flag, f"{key}:{value[:20]} must be a number in (0, 1)") from None
+        else:
+            if not value.isdigit() or len(value) > 12:
+                raise InputError(flag, f"{key}:{value[:20]} must be a positive integer")
+            out[key] = int(value)
+    return out
+
+
+def _adapter_fields(args: argparse.Namespace, fields: dict[str, Any], source: dict[str, str]) -> None:
+    """--lora-* / --peft-config and --freeze → the training fields lora and freeze."""
+    rank, targets, dropout = (getattr(args, k, None) for k in ("lora_rank", "lora_targets", "lora_dropout"))
+    peft_path = getattr(args, "peft_config", None)
+    if peft_path is not None:
+        if rank is not None or targets is not None or dropout is not None:
+            raise InputError("--peft-config", "give either --peft-config or --lora-rank/--lora-targets/--lora-dropout")
+        from .peftconfig import load_peft_config
+
+        fields["lora"], source["lora"] = load_peft_config(peft_path, "--peft-config"), "file"
+    elif rank is not None:
+        fields["lora"] = {"rank": rank, "targets": _split_list(targets, "--lora-targets") if targets else
+                          ("default",), "dropout": dropout or 0.0}
+        source["lora"] = "flag"
+    elif targets is not None or dropout is not None:
+        raise InputError("--lora-targets" if targets is not None else "--lora-dropout", "needs --lora-rank")
+    freeze = getattr(args, "freeze", None)
+    if freeze is not None:
+        fields["freeze"], source["freeze"] = _split_list(freeze, "--freeze"), "flag"
+
+
+def _split_list(text: str, flag: str) -> tuple[str, ...]:
+    """A comma-separated list of names (each a short identifier-like word)."""
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items or len(text) > 2000:
+        raise InputError(flag, "needs a comma-separated list of names")
+    for item in items:
+        if len(item) > 100 or not all(c.isalnum() or c in "_.-:*" for c in item):
+            raise InputError(flag, f"{item[:40]!r} is not a module or group name")
+    return items
 
 
 def _merge(fields: dict[str, Any], source: dict[str, str], new: dict[str, Any], label: str) -> None:
@@ -359,6 +465,8 @@ def build_job(model, fields: dict[str, Any], source: dict[str, str]):
 
     layout = {k: fields[k] for k in _LAYOUT_FIELDS if k in fields}
     training = {k: v for k, v in fields.items() if k in TrainingSpec.model_fields}
+    if training.get("lora"):
+        training["lora"] = _resolved_lora(model, training["lora"], source)
     try:
         return Job(model=model, training=training, layout=layout)
     except ValidationError as err:
@@ -368,6 +476,22 @@ def build_job(model, fields: dict[str, Any], source: dict[str, str]):
         if first.get("loc") and got is not None and not isinstance(got, (dict, list)):
             message = f"{message} (got {got!r})"
         raise _field_error(_subject(tuple(first.get("loc", ())), message), message, source, fields) from None
+
+
+def _resolved_lora(model, lora: dict[str, Any], source: dict[str, str]) -> dict[str, Any]:
+    """LoRA targets resolved for the model: peft's family default for "default"; a target the model lacks is
+    refused as peft refuses it."""
+    from .params import linear_modules
+    from .peftconfig import DEFAULT, DEFAULT_TARGETS, resolve_targets
+
+    flag = "--peft-config target_modules" if source.get("lora") == "file" else "--lora-targets"
+    try:
+        resolve_targets(model.family, tuple(lora["targets"]), linear_modules(model))
+    except ValueError as err:
+        raise InputError(flag, str(err)) from None
+    if tuple(lora["targets"]) == (DEFAULT,):
+        lora = {**lora, "targets": DEFAULT_TARGETS[model.family]}
+    return lora
 
 
 def job_from_args(args: argparse.Namespace):

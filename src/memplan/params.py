@@ -179,3 +179,11 @@ def count_params(model: ModelSpec) -> ParamCounts:
         total_params=total, embedding_params=embedding, per_layer_params=layer0, final_norm_params=final_norm,
         lm_head_params=lm_head, largest_tensor_numel=max(t.numel for t in tensors),
     )
+
+
+@lru_cache(maxsize=256)
+def linear_modules(model: ModelSpec) -> tuple[str, ...]:
+    """Qualified names of the model's nn.Linear / Conv1D modules (a 2-D weight that is not an embedding), in
+    named_modules() order: what peft's LoRA can adapt. A tied lm_head is the embedding, not a Linear."""
+    return tuple(t.name.removesuffix(".weight") for t in parameter_tensors(model)
+                 if t.name.endswith(".weight") and len(t.shape) == 2 and t.role not in ("embedding", "position"))

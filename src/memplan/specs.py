@@ -14,7 +14,20 @@ TrainDtype = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
 Attention = Literal["flash", "sdpa", "eager"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
-Optimizer = Literal["adamw", "torch_adamw", "cpu_adam", "sgd", "lion"]
+Optimizer = Literal["adamw", "torch_adamw", "torch_adamw_fused", "cpu_adam", "sgd", "lion"]
+#: the training loop around the engine (what the Python code keeps alive between calls):
+#: outputs — DeepSpeed's tutorial loop, ``outputs = engine(...); engine.backward(outputs.loss); engine.step()``;
+#: loss — only the loss survives the forward, ``loss = engine(...).loss``;
+#: hf-trainer — transformers' Trainer with --deepspeed (training_step / compute_loss keep only the loss)
+Loop = Literal["outputs", "loss", "hf-trainer"]
+#: which code builds the model: transformers' modeling_<family>.py, or Megatron's GPT (megatron-core layers)
+ModelImpl = Literal["transformers", "megatron"]
+#: peft's LoraConfig.bias
+LoraBias = Literal["none", "all", "lora_only"]
+
+
+#: parameter groups --freeze takes by name (layers:N, the first N transformer layers, besides)
+FREEZE_GROUPS = ("embeddings", "lm_head", "norms")
 
 
 class _Frozen(BaseModel):
@@ -108,6 +121,42 @@ class ZeroSpec(_Frozen):
         return self.overlap_comm if self.overlap_comm is not None else self.stage == 3
 
 
+class LoraSpec(_Frozen):
+    """LoRA adapters as peft 0.x builds them (peft/tuners/lora: LoraConfig, LoraModel, Linear): a frozen base,
+    per adapted linear an A (r × in) and a B (out × r) parameter, optional dropout on the adapter's input."""
+
+    rank: int = Field(gt=0, le=2**16, description="LoraConfig.r")
+    alpha: float = Field(8.0, gt=0, description="LoraConfig.lora_alpha (no effect on memory)")
+    targets: tuple[str, ...] = Field(min_length=1, description="module names (q_proj, v_proj, …) or all-linear")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoraConfig.lora_dropout")
+    bias: LoraBias = "none"
+    modules_to_save: tuple[str, ...] = Field((), description="modules trained in full beside the adapters")
+    use_rslora: bool = Field(False, description="rank-stabilised scaling (no effect on memory)")
+    use_dora: bool = Field(False, description="weight-decomposed LoRA: a magnitude vector per adapted linear")
+
+
+class AllocatorSpec(_Frozen):
+    """PYTORCH_CUDA_ALLOC_CONF options the caching allocator honours (c10/cuda/CUDAAllocatorConfig.cpp)."""
+
+    expandable_segments: bool = False
+    max_split_size_mb: int | None = Field(None, gt=20, description="blocks above this are never split")
+    roundup_power2_divisions: int | None = Field(None, gt=0)
+    garbage_collection_threshold: float | None = Field(None, gt=0, lt=1)
+
+    def alloc_conf(self) -> str:
+        """The PYTORCH_CUDA_ALLOC_CONF string for these settings ('' for the defaults)."""
+        parts = []
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        if self.max_split_size_mb is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size_mb}")
+        if self.roundup_power2_divisions is not None:
+            parts.append(f"roundup_power2_divisions:{self.roundup_power2_divisions}")
+        if self.garbage_collection_threshold is not None:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        return ",".join(parts)
+
+
 class TrainingSpec(_Frozen):
     """What one rank does per step: tokens, dtype, checkpointing, attention, optimizer, ZeRO."""
 
@@ -121,6 +170,27 @@ class TrainingSpec(_Frozen):
     zero: ZeroSpec = ZeroSpec()
     grad_accum_dtype: TrainDtype | None = Field(None, description="data_types.grad_accum_dtype; None: the training dtype")
     sp_comm_dtype: TrainDtype = Field("fp32", description="seq_parallel_communication_data_type (used when sp > 1)")
+    loop: Loop = Field("outputs", description="the training loop: outputs, loss or hf-trainer (see Loop)")
+    checkpoint_reentrant: bool = Field(
+        False, description="torch.utils.checkpoint use_reentrant (transformers' gradient_checkpointing_enable "
+        "defaults to False)")
+    checkpoint_every_n_layers: int = Field(1, gt=0, description="transformers 5.17: checkpoint every n-th layer only")
+    checkpoint_offload: bool = Field(False, description="transformers 5.17: checkpointed inputs in pinned host memory")
+    lora: LoraSpec | None = Field(None, description="LoRA adapters on a frozen base (None: full training)")
+    freeze: tuple[str, ...] = Field((), description="frozen parameter groups without adapters: embeddings, "
+                                    "lm_head, norms, layers:N (the first N layers)")
+    allocator: AllocatorSpec = AllocatorSpec()
+    model_impl: ModelImpl = Field("transformers", description="which code builds the model")
+
+    @model_validator(mode="after")
+    def _check_freeze(self) -> TrainingSpec:
+        for item in self.freeze:
+            if item in FREEZE_GROUPS:
+                continue
+            head, _, count = item.partition(":")
+            if head != "layers" or not count.isdigit() or int(count) < 1:
+                raise ValueError(f"freeze item {item!r} is not known; allowed: {', '.join(FREEZE_GROUPS)}, layers:N")
+        return self
 
 
 class Layout(_Frozen):

@@ -1,0 +1,119 @@
+"""LoRA / PEFT inputs: peft's adapter_config.json, its default targets, and which linears an adapter covers.
+
+peft (peft/tuners/lora/config.py LoraConfig; peft/utils/constants.py
+TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING; peft/tuners/tuners_utils.py check_target_module_exists and
+_maybe_include_all_linear_layers) matches a target name against every module's qualified name: the module is
+adapted when its name equals the target or ends with ``"." + target``. ``all-linear`` adapts every nn.Linear /
+Conv1D except the output layer (lm_head). Pure: no peft import.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import InputError
+
+#: peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the families memplan knows (used when
+#: LoraConfig.target_modules is None)
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
+    "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "gpt2": ("c_attn",),
+    "gpt_neox": ("query_key_value",), "bloom": ("query_key_value",), "gemma2": ("q_proj", "v_proj"),
+    "gemma3_text": ("q_proj", "v_proj"), "phi3": ("qkv_proj",), "olmo2": ("q_proj", "v_proj"),
+    "qwen3_moe": ("q_proj", "v_proj"), "deepseek_v3": ("q_proj", "kv_a_proj_with_mqa"),
+}
+ALL_LINEAR = "all-linear"
+#: the targets placeholder the command line uses before the model is known
+DEFAULT = "default"
+
+#: adapter_config.json keys that change memory, and those that only name or describe the adapter
+_MEMORY_KEYS = ("r", "target_modules", "lora_dropout", "bias", "modules_to_save", "use_rslora", "use_dora",
+                "lora_alpha")
+_IGNORED_KEYS = ("peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode",
+                 "fan_in_fan_out", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
+                 "alpha_pattern", "megatron_config", "megatron_core", "loftq_config", "layer_replication",
+                 "runtime_config", "auto_mapping", "exclude_modules", "lora_bias", "eva_config", "corda_config",
+                 "trainable_token_indices", "target_parameters", "qalora_group_size", "use_qalora",
+                 "lora_ga_config", "arrow_config", "ensure_weight_tying")
+
+
+def load_peft_config(path: str, flag: str) -> dict[str, Any]:
+    """adapter_config.json → LoraSpec fields (InputError naming ``flag`` and the key on bad input)."""
+    from .options import require_regular_file
+
+    require_regular_file(path, flag)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise InputError(flag, f"{path!r} is not a readable adapter_config.json ({type(err).__name__})") from None
+    return lora_fields(raw, flag)
+
+
+def lora_fields(raw: Any, flag: str) -> dict[str, Any]:
+    """The LoraSpec fields of a parsed adapter_config.json."""
+    if not isinstance(raw, dict):
+        raise InputError(flag, "must be a JSON object as peft's LoraConfig.save_pretrained writes it")
+    peft_type = raw.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise InputError(f"{flag} peft_type", f"{str(peft_type)[:20]!r} is not modelled; allowed: LORA")
+    unknown = [k for k in raw if k not in _MEMORY_KEYS and k not in _IGNORED_KEYS]
+    if unknown:
+        raise InputError(f"{flag} {unknown[0][:40]}", "is not a LoraConfig field")
+    r = raw.get("r", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise InputError(f"{flag} r", f"{r!r} must be a positive integer")
+    targets = raw.get("target_modules")
+    if targets is None:
+        targets = (DEFAULT,)
+    elif isinstance(targets, str):
+        if targets.lower() != ALL_LINEAR:
+            raise InputError(f"{flag} target_modules", "a regular expression is not modelled; allowed: a list of "
+                             "module names or all-linear")
+        targets = (ALL_LINEAR,)
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets):
+        targets = tuple(targets)
+    else:
+        raise InputError(f"{flag} target_modules", "must be a non-empty list of module names or all-linear")
+    dropout = raw.get("lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise InputError(f"{flag} lora_dropout", f"{dropout!r} must be a number in [0, 1)")
+    bias = raw.get("bias", "none")
+    if bias not in ("none", "all", "lora_only"):
+        raise InputError(f"{flag} bias", f"{str(bias)[:20]!r} is not allowed; allowed: none, all, lora_only")
+    saved = raw.get("modules_to_save") or ()
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(x, str) for x in saved):
+        raise InputError(f"{flag} modules_to_save", "must be a list of module names")
+    for key in ("use_rslora", "use_dora"):
+        if not isinstance(raw.get(key, False), bool):
+            raise InputError(f"{flag} {key}", "must be true or false")
+    alpha = raw.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise InputError(f"{flag} lora_alpha", f"{alpha!r} must be a positive number")
+    return {"rank": r, "alpha": float(alpha), "targets": targets, "dropout": float(dropout), "bias": bias,
+            "modules_to_save": tuple(saved), "use_rslora": raw.get("use_rslora", False),
+            "use_dora": raw.get("use_dora", False)}
+
+
+def module_matches(module: str, target: str) -> bool:
+    """peft's check_target_module_exists for a plain name: equal, or the module's name ends with '.target'."""
+    return module == target or module.endswith("." + target)
+
+
+def resolve_targets(family: str, targets: tuple[str, ...], linear_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The qualified names of the linears the adapter covers, in model order; ValueError naming a target the
+    model lacks (peft raises "Target modules … not found in the base model")."""
+    if targets == (DEFAULT,):
+        if family not in DEFAULT_TARGETS:
+            raise ValueError(f"peft has no default LoRA targets for {family}; pass --lora-targets")
+        targets = DEFAULT_TARGETS[family]
+    if ALL_LINEAR in targets:
+        return tuple(m for m in linear_modules if not m.endswith(("lm_head", "embed_out")))
+    chosen = tuple(m for m in linear_modules if any(module_matches(m, t) for t in targets))
+    missing = [t for t in targets if not any(module_matches(m, t) for m in linear_modules)]
+    if missing:
+        leaves = sorted({m.rsplit(".", 1)[-1] for m in linear_modules})
+        raise ValueError(f"LoRA target {missing[0]!r} is not a linear module of this model; allowed: "
+                         f"{', '.join(leaves)} or all-linear")
+    return chosen
