@@ -48,7 +48,7 @@ class Mark:
 class Ledger:
     """Ordered allocation events of one rank (see the module docstring)."""
 
-    __slots__ = ("names", "sizes", "components", "streams", "events", "marks", "_live")
+    __slots__ = ("_live", "components", "events", "marks", "names", "sizes", "streams")
 
     def __init__(self) -> None:
         self.names: list[str] = []
