@@ -98,3 +98,28 @@ def test_launch_runs_real_ranks_and_keeps_each(tiny_model, tmp_path):
     assert row["status"] == "ok", row["error"]
     assert row["mode"] == "real"
     assert [r["rank"] for r in row["per_rank"]] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_frozen_base_and_outputs_loop(tiny_model, tmp_path, stage):
+    from memplan.specs import LoraSpec
+
+    lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"), dropout=0.05)
+    job = _job(tiny_model, zero=ZeroSpec(stage=stage), lora=lora, loop="outputs", checkpointing="full")
+    row = runner.measure_job(job, name=f"lora{stage}", out_dir=str(tmp_path), steps=1, device="cpu",
+                             timeout_s=300)
+    assert row["status"] == "ok", row["error"]
+    assert row["job"]["training"]["loop"] == "outputs"
+    assert [p["name"] for p in row["phases"]] == ["init", "step0.micro0.forward", "step0.micro0.backward",
+                                                   "step0.micro0.step"]
+    # peft's adapters: r·(in + out) per adapted linear, two per layer (q_proj, v_proj: 64 → 64)
+    assert row["trainable_params"] == 4 * 2 * 4 * (64 + 64)
+
+
+@pytest.mark.slow
+def test_frozen_groups_and_loss_loop(tiny_model, tmp_path):
+    job = _job(tiny_model, zero=ZeroSpec(stage=1), freeze=("embeddings", "layers:2"), loop="loss")
+    row = runner.measure_job(job, name="frozen", out_dir=str(tmp_path), steps=1, device="cpu", timeout_s=300)
+    assert row["status"] == "ok", row["error"]
+    assert row["frozen_params"] > 0 and row["trainable_params"] > 0

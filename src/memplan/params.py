@@ -187,3 +187,25 @@ def linear_modules(model: ModelSpec) -> tuple[str, ...]:
     named_modules() order: what peft's LoRA can adapt. A tied lm_head is the embedding, not a Linear."""
     return tuple(t.name.removesuffix(".weight") for t in parameter_tensors(model)
                  if t.name.endswith(".weight") and len(t.shape) == 2 and t.role not in ("embedding", "position"))
+
+
+def frozen_names(model: ModelSpec, groups: tuple[str, ...]) -> frozenset[str]:
+    """Parameter names --freeze turns off: embeddings (word, position, BLOOM's embedding norm; a tied lm_head
+    is the word embedding), lm_head (the word embedding when tied), norms (every norm weight and bias), layers:N
+    (every parameter of the first N transformer layers)."""
+    out: set[str] = set()
+    tensors = parameter_tensors(model)
+    for group in groups:
+        if group == "embeddings":
+            out.update(t.name for t in tensors if t.layer is None and t.role in ("embedding", "position")
+                       or (t.layer is None and t.role == "norm" and "embedding" in t.name))
+        elif group == "lm_head":
+            out.update(t.name for t in tensors if t.role == "lm_head")
+            if model.tie_word_embeddings:
+                out.update(t.name for t in tensors if t.role == "embedding")
+        elif group == "norms":
+            out.update(t.name for t in tensors if t.role == "norm")
+        elif group.startswith("layers:"):
+            first = int(group.split(":", 1)[1])
+            out.update(t.name for t in tensors if t.layer is not None and t.layer < first)
+    return frozenset(out)

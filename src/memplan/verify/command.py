@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (a measurement) or cpu (exercises the harness only: every counter reads 0)")
     g.add_argument("--json", action="store_true", help="print the report row as JSON instead of the table")
+    g.add_argument("--trace", metavar="FILE",
+                   help="record the allocator's real event trace and write it as Chrome trace-event JSON (Perfetto)")
 
 
 def job_and_options(args: argparse.Namespace):
@@ -45,7 +47,8 @@ def job_and_options(args: argparse.Namespace):
         raise InputError("--layers", f"{args.layers} must be between 1 and half the model's depth "
                                      f"({job.model.num_layers} layers)")
     return job, {"name": args.name, "steps": args.steps, "layers": args.layers, "launch": args.launch, "device": args.device,
-                     "timeout_s": float(args.timeout), "out_dir": args.out}
+                     "timeout_s": float(args.timeout), "out_dir": args.out,
+                 "trace": args.trace}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:

@@ -92,14 +92,48 @@ def build_model(config, job: Job, ds_config: dict, device: str):
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
     model.train()  # from_config leaves the module in training mode; say so (dropout masks count)
-    if job.training.checkpointing == "full":
-        model.gradient_checkpointing_enable()  # transformers' default kwargs
+    t = job.training
+    if t.checkpointing == "full":
+        kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": t.checkpoint_reentrant}}
+        if t.checkpoint_every_n_layers != 1 or t.checkpoint_offload:  # transformers 5.17's own options
+            kwargs.update(every_n_layers=t.checkpoint_every_n_layers, offload=t.checkpoint_offload)
+        model.gradient_checkpointing_enable(**kwargs)
+    freeze(model, job)
+    if t.lora is not None:
+        model = add_lora(model, job)
     return model
 
 
+def freeze(model, job: Job) -> None:
+    """requires_grad off for the job's frozen groups (memplan.params.frozen_names names them)."""
+    if not job.training.freeze:
+        return
+    from ..params import frozen_names
+
+    names = frozen_names(job.model, job.training.freeze)
+    for name, param in model.named_parameters():
+        if name in names:
+            param.requires_grad_(False)
+
+
+def add_lora(model, job: Job):
+    """peft's get_peft_model with the job's LoraConfig, after checkpointing is enabled (as TRL and the
+    Trainer's users do). peft freezes the base and adds lora_A / lora_B (and DoRA's magnitude) per target."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = job.training.lora
+    targets = "all-linear" if "all-linear" in lora.targets else list(lora.targets)
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
+                        bias=lora.bias, modules_to_save=list(lora.modules_to_save) or None,
+                        use_rslora=lora.use_rslora, use_dora=lora.use_dora, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
 def decoder_layers(model) -> list:
-    """The decoder layers: model.layers (Llama family), transformer.h (GPT-2, BLOOM), gpt_neox.layers."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers"):
+    """The decoder layers: model.layers (Llama family), transformer.h (GPT-2, BLOOM), gpt_neox.layers; under
+    peft, the same paths inside base_model.model."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "base_model.model.model.layers",
+                 "base_model.model.transformer.h", "base_model.model.gpt_neox.layers"):
         obj = model
         for attr in path.split("."):
             obj = getattr(obj, attr, None)
@@ -111,9 +145,11 @@ def decoder_layers(model) -> list:
 def final_modules(model) -> list[tuple[str, Any]]:
     """(label, module) of the final norm and lm_head, where found."""
     out = []
-    for label, path in (("final norm", "model.norm"), ("final norm", "transformer.ln_f"),
-                        ("final norm", "gpt_neox.final_layer_norm"), ("lm_head", "lm_head"),
-                        ("lm_head", "embed_out")):
+    paths = (("final norm", "model.norm"), ("final norm", "transformer.ln_f"),
+             ("final norm", "gpt_neox.final_layer_norm"), ("lm_head", "lm_head"), ("lm_head", "embed_out"))
+    if hasattr(model, "base_model") and hasattr(model.base_model, "model"):  # peft
+        paths = tuple((label, "base_model.model." + path) for label, path in paths)
+    for label, path in paths:
         obj = model
         for attr in path.split("."):
             obj = getattr(obj, attr, None)

@@ -25,6 +25,13 @@ class Meter:
             self._torch.cuda.synchronize()
             self._torch.cuda.reset_peak_memory_stats()
 
+    def stats(self) -> dict[str, int]:
+        """The caching allocator's counters of the phase that just ended (torch.cuda.memory_stats)."""
+        if not self.cuda:
+            return {}
+        raw = self._torch.cuda.memory_stats()
+        return {key: int(raw.get(name, 0)) for key, name in STATS_KEYS}
+
     def read(self) -> tuple[int, int, int]:
         """(max allocated, max reserved, allocated now), after a synchronize."""
         if not self.cuda:
@@ -38,17 +45,55 @@ class Meter:
         return self._torch.cuda.memory_allocated() if self.cuda else 0
 
 
-class Recorder:
-    """The list of phases with their peaks, plus the timeline of labelled memory_allocated readings."""
+#: memory_stats() keys kept per phase (c10/cuda/CUDACachingAllocator.cpp DeviceStats; peaks since the phase's reset)
+STATS_KEYS = (
+    ("reserved_small_pool_peak_bytes", "reserved_bytes.small_pool.peak"),
+    ("reserved_large_pool_peak_bytes", "reserved_bytes.large_pool.peak"),
+    ("requested_peak_bytes", "requested_bytes.all.peak"),
+    ("inactive_split_peak_bytes", "inactive_split_bytes.all.peak"),
+    ("segments_current", "segment.all.current"),
+    ("num_alloc_retries", "num_alloc_retries"),
+    ("num_ooms", "num_ooms"),
+    ("num_device_alloc", "num_device_alloc"),
+    ("num_device_free", "num_device_free"),
+)
 
-    def __init__(self, meter: Meter):
+#: entries the allocation trace keeps (torch.cuda.memory._record_memory_history max_entries): a 1B-parameter
+#: job's three steps make a few hundred thousand
+TRACE_MAX_ENTRIES = 3_000_000
+
+
+def memplan_phase_marker(torch, device: str) -> None:
+    """One 512-byte allocation and free that marks a phase start in a recorded allocation trace (the
+    trace converter, memplan.allocator.trace, finds it by this function's name). Small pool: it touches no
+    block the job's large tensors use."""
+    marker = torch.empty(512, dtype=torch.uint8, device=device)
+    del marker
+
+
+class Recorder:
+    """The list of phases with their peaks, plus the timeline of labelled memory_allocated readings.
+
+    ``trace``: record the allocator's event history from ``start_trace`` on (CUDA only) and write it with
+    ``finish`` as a compact JSON trace (memplan.allocator.trace), phase starts marked."""
+
+    def __init__(self, meter: Meter, trace: bool = False):
         self.meter = meter
+        self.trace = trace and meter.cuda
+        self.labels: list[str] = []
         self.phases: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
         self.current: str | None = None
         self._t0 = 0.0
 
+    def start_trace(self) -> None:
+        if self.trace:
+            self.meter._torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, stacks="python")
+
     def begin(self, name: str) -> None:
+        if self.trace:
+            self.labels.append(name)
+            memplan_phase_marker(self.meter._torch, "cuda")
         self.meter.sync_reset()
         self.current = name
         self._t0 = time.perf_counter()
@@ -61,6 +106,7 @@ class Recorder:
             "peak_reserved_bytes": reserved,
             "allocated_end_bytes": now,
             "wall_s": round(time.perf_counter() - self._t0, 4),
+            "stats": self.meter.stats(),
         })
         self.current = None
 
@@ -72,6 +118,29 @@ class Recorder:
         if self.timeline and self.timeline[-1]["phase"] == self.current:
             return self.timeline[-1]["label"]
         return None
+
+    def finish(self, out_dir: str, rank: int) -> dict[str, Any]:
+        """After training (or its failure): write the allocation trace when recording, and read what this
+        process holds on the GPU outside torch's allocator. Returns the row's fields for both."""
+        out: dict[str, Any] = {}
+        if self.meter.cuda:
+            out.update(process_gpu_bytes(self.meter._torch))
+        if self.trace:
+            import os
+
+            torch = self.meter._torch
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            try:
+                from ..allocator.trace import compact_trace, write_trace
+
+                path = os.path.join(out_dir, f"trace-rank{rank}.json.gz")
+                write_trace(path, compact_trace(snapshot), {"phases": self.labels, "alloc_conf": os.environ.get(
+                    "PYTORCH_CUDA_ALLOC_CONF", "")})
+                out["trace_file"] = path
+            except Exception as exc:  # noqa: BLE001 - a trace is a side product; the row says why it is missing
+                out["trace_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Peaks over the training phases (init excluded) and the init phase's own peak."""
@@ -113,3 +182,24 @@ class TimelineHooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def process_gpu_bytes(torch) -> dict[str, Any]:
+    """GPU memory this process holds as the driver counts it (NVML's per-process usedGpuMemory: CUDA context,
+    torch's reserved segments, library workspaces outside torch), beside torch's own reserved bytes now."""
+    import os
+
+    out: dict[str, Any] = {"torch_reserved_end_bytes": int(torch.cuda.memory_reserved())}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                out["process_gpu_bytes"] = int(proc.usedGpuMemory)
+        pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - not every driver/container reports per-process memory
+        out["process_gpu_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    return out

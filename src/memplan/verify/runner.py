@@ -80,6 +80,10 @@ def run_worker(task: dict[str, Any], work: Path, timeout_s: float, world: int) -
         module = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                   "-m", "memplan.verify.worker", str(work / "task.json")]
     env = {**os.environ, **CHILD_ENV}
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the job's allocator settings, nothing inherited
+    alloc_conf = Job.model_validate(task["job"]).training.allocator.alloc_conf()
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     if task["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     log = work / "worker.log"
@@ -154,7 +158,7 @@ def _depths(job: Job, layers: int | None) -> list[int | None]:
 
 def measure_job(job: Job, *, name: str | None = None, command: Sequence[str] = (), out_dir: str = "reports/verify",
                 steps: int = 3, layers: int | None = None, launch: bool = False, device: str = "cuda",
-                timeout_s: float = 600.0) -> dict[str, Any]:
+                timeout_s: float = 600.0, trace: str | None = None) -> dict[str, Any]:
     """Measure ``job`` as the protocol in memplan.verify says and return the report row (predicted included)."""
     t0 = time.perf_counter()
     name = name or default_name(job)
@@ -170,7 +174,7 @@ def measure_job(job: Job, *, name: str | None = None, command: Sequence[str] = (
         if launch and device == "cuda" and local_gpu_count() < job.layout.world:
             raise _Refused(f"--launch needs {job.layout.world} GPUs on this node (found {local_gpu_count()})")
         task = {"name": name, "job": row["job"], "hf_config": hfbuild.hf_config_dict(job.model), "steps": steps,
-                "device": device, "mode": mode}
+                "device": device, "mode": mode, "trace": trace is not None}
         for depth in depths:
             work = Path(out_dir) / "work" / name / (f"layers{depth}" if depth else "full")
             rows = run_worker({**task, "num_layers": depth, "meta_pass": depth in (None, layers)}, work,
@@ -183,9 +187,29 @@ def measure_job(job: Job, *, name: str | None = None, command: Sequence[str] = (
             {"status": "unsupported" if isinstance(exc, (_Refused, worker.Unsupported)) else "error", "error": str(exc), "rank": 0,
              "phases": [], "timeline": []}]}]
     row.update(_assemble(job, runs, layers))
+    if trace is not None:
+        row.update(_chrome_trace(runs, trace))
     row["wall_s"] = round(time.perf_counter() - t0, 3)
     row.update(compare.predicted_and_comparison(job, row))
     return row
+
+
+def _chrome_trace(runs: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    """The measured allocation trace of the (last depth's) most loaded rank as Chrome trace-event JSON at
+    ``path`` (memplan.allocator.chrome), beside the compact trace the worker wrote."""
+    loaded = _most_loaded(runs[-1]["rows"]) if runs else {}
+    source = loaded.get("trace_file")
+    if not source:
+        return {"trace": None, "trace_error": loaded.get("trace_error") or "no trace was recorded"}
+    try:
+        from ..allocator.chrome import chrome_trace
+        from ..allocator.trace import ledger_from_trace, read_trace
+
+        ledger = ledger_from_trace(read_trace(source))
+        write_json_atomic(path, chrome_trace(ledger, None))
+    except Exception as exc:  # noqa: BLE001 - the measurement stands without its picture
+        return {"trace": None, "trace_source": source, "trace_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return {"trace": path, "trace_source": source}
 
 
 class _Refused(Exception):
@@ -218,7 +242,8 @@ def _assemble(job: Job, runs: list[dict[str, Any]], layers: int | None) -> dict[
         chosen = failed or loaded[-1]
     keys = ("status", "error", "phases", "peak_allocated_bytes", "peak_reserved_bytes", "peak_phase",
             "init_peak_allocated_bytes", "init_peak_reserved_bytes", "timeline", "oom_phase",
-            "skipped_steps", "global_steps")
+            "skipped_steps", "global_steps", "process_gpu_bytes", "torch_reserved_end_bytes", "trace_file",
+            "trainable_params", "frozen_params")
     out.update({k: chosen.get(k) for k in keys})
     if failed is not None and layers is not None:
         out["error"] = f"{failed.get('error')} (at {runs[loaded.index(failed)]['num_layers']} layers)"

@@ -95,12 +95,17 @@ def initialize(task: dict[str, Any], job: Job, device: str):
             sequence_parallel_size=job.layout.sp, micro_batch_size=job.training.micro_batch,
             seq_length=job.training.seq_len, seq_length_is_variable=False)
         sp_rank = mpu.get_sequence_parallel_rank()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config, mpu=mpu)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA / frozen groups: as users pass them
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config, mpu=mpu)
     return engine, model, sp_rank
 
 
 def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_rank: int) -> None:
-    """`steps` optimizer steps of grad_accum micro-steps; forward / backward / step are separate phases."""
+    """`steps` optimizer steps of grad_accum micro-steps; forward / backward / step are separate phases.
+
+    The loop is the job's (``TrainingSpec.loop``): ``outputs`` is DeepSpeed's tutorial loop, ``outputs =
+    engine(...); engine.backward(outputs.loss); engine.step()``, so the output object (its logits) stays alive
+    until the next forward returns and rebinds the name; ``loss`` keeps only the loss tensor of the forward."""
     import torch
 
     t = job.training
@@ -108,7 +113,9 @@ def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_ra
     vocab = model.config.get_text_config().vocab_size
     positions = torch.arange(sp_rank * shard, (sp_rank + 1) * shard, device=device).unsqueeze(0).expand(t.micro_batch, -1)
     extra = {"position_ids": positions} if job.layout.sp > 1 else {}
-    backward_hooks = t.checkpointing == "none" and t.zero.stage < 3
+    backward_hooks = t.checkpointing == "none" and t.zero.stage < 3 and t.lora is None and not t.freeze
+    keep_outputs = t.loop == "outputs"
+    outputs = None
     with attention_context(job):
         for s in range(steps):
             for m in range(t.grad_accum):
@@ -118,7 +125,11 @@ def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_ra
                     hooks = TimelineHooks(rec, layers, hfbuild.final_modules(model), backward_hooks)
                 ids = torch.randint(0, vocab, (t.micro_batch, shard), device=device)
                 rec.begin(f"step{s}.micro{m}.forward")
-                loss = engine(input_ids=ids, labels=ids, **extra).loss
+                if keep_outputs:
+                    outputs = engine(input_ids=ids, labels=ids, **extra)  # the previous outputs die here
+                    loss = outputs.loss
+                else:
+                    loss = engine(input_ids=ids, labels=ids, **extra).loss
                 rec.end()
                 rec.begin(f"step{s}.micro{m}.backward")
                 engine.backward(loss)
@@ -130,6 +141,15 @@ def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_ra
                 engine.step()
                 rec.end()
                 del ids
+    del outputs
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """Trainable and frozen parameters of the built model (ZeRO-3: the full sizes, ds_numel)."""
+    counts = {"trainable_params": 0, "frozen_params": 0}
+    for p in model.parameters():
+        counts["trainable_params" if p.requires_grad else "frozen_params"] += int(getattr(p, "ds_numel", p.numel()))
+    return counts
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -155,7 +175,8 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
         rank, local = setup_distributed(task, job.layout.world)
         row["rank"] = rank
         device = f"cuda:{local}" if task["device"] == "cuda" else "cpu"
-        rec = Recorder(Meter(device))
+        rec = Recorder(Meter(device), trace=bool(task.get("trace")) and task["device"] == "cuda")
+        rec.start_trace()
         rec.begin("init")
         if job.layout.pp > 1:
             engine, model, config = pipeline.initialize(task, job, device)
@@ -165,6 +186,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
         else:
             engine, model, sp_rank = initialize(task, job, device)
             rec.end()
+            row.update(parameter_counts(model))
             if job.layout.tp > 1:
                 autotp.seed_batches()  # every rank of a TP group draws the same token batches
                 row.update(autotp.tp_note(engine))
@@ -185,6 +207,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             row.update(status="error", error=f"{_one_line(exc)} (in {where})")
     if rec:
         row.update(phases=rec.phases, timeline=rec.timeline, **rec.summary())
+        row.update(rec.finish(task["out_dir"], row["rank"]))
     try:
         row["env"] = environment(task["device"])
     except Exception as exc:  # noqa: BLE001 - a broken CUDA must not lose the row
