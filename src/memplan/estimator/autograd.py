@@ -1,0 +1,235 @@
+"""A model of PyTorch's eager autograd memory: tensors, views, saved tensors, and the backward engine.
+
+Forward code written against this module (estimator/blocks.py) allocates each op's output in the ledger,
+records what autograd saves, and drops Python references where the transformers code drops them; a tensor's
+storage is freed when nothing refers to it (a variable, a view, a saved tensor, a gradient buffer), as torch's
+refcounting frees it. ``backward`` then runs the recorded nodes the way torch/csrc/autograd/engine.cpp does:
+
+- nodes run in reverse creation order (the ready queue pops the highest sequence number; a node created
+  later is never a dependency of an earlier one), AccumulateGrad right after the node that produced the grad
+  (AccumulateGrad nodes carry the maximum sequence number), which hands the grad to ``on_param_grad``;
+- a node's apply allocates what its formula allocates (``Node.backward``, in its order), then its incoming
+  gradients are released (they die with apply's argument list) and then its saved variables
+  (``Node::release_variables`` in ``call_function`` when the graph is not kept);
+- gradients reaching one tensor from several consumers accumulate in its InputBuffer
+  (torch/csrc/autograd/input_buffer.cpp ``InputBuffer::add``/``accumulate``): in place when the buffered
+  gradient is referenced only by the buffer, else out of place (a new tensor).
+
+Sizes are bytes; shapes are not kept. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..ledger import Ledger
+
+
+class Storage:
+    """One allocation: freed when its reference count reaches zero."""
+
+    __slots__ = ("nbytes", "refs", "tid")
+
+    def __init__(self, tid: int, nbytes: int):
+        self.tid, self.nbytes, self.refs = tid, nbytes, 0
+
+
+class Tensor:
+    """A tensor (or a view of one): its storage, its own byte size, its grad_fn and whether it needs grad."""
+
+    __slots__ = ("is_view", "name", "nbytes", "node", "param", "requires_grad", "storage")
+
+    def __init__(self, storage: Storage | None, nbytes: int, name: str, requires_grad: bool, node=None,
+                 param: str | None = None, is_view: bool = False):
+        self.storage, self.nbytes, self.name = storage, nbytes, name
+        self.requires_grad, self.node, self.param = requires_grad, node, param
+        self.is_view = is_view
+
+
+class Node:
+    """A grad_fn: which inputs get gradients, what it saved, and its backward formula.
+
+    ``backward(ctx, grads)`` receives the incoming gradients (one per output, None where none arrived) and
+    returns one gradient per entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
+
+    __slots__ = ("backward", "inputs", "name", "saved", "seq")
+
+    def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int):
+        self.name, self.inputs, self.saved, self.backward, self.seq = name, inputs, saved, backward, seq
+
+
+class Autograd:
+    """Forward bookkeeping and the backward engine over one ledger (see the module docstring)."""
+
+    def __init__(self, ledger: Ledger, component: str = "activations",
+                 on_param_grad: Callable[[Tensor, Tensor], None] | None = None):
+        self.ledger = ledger
+        self.component = component
+        self.nodes: list[Node] = []
+        self.grad_enabled = True
+        self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
+        self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
+
+    # -- storage ----------------------------------------------------------------------------------------
+    def empty(self, name: str, nbytes: int, requires_grad: bool = False, component: str | None = None,
+              stream: int = 0) -> Tensor:
+        """A new tensor with its own storage (one allocation), referenced once by the caller."""
+        st = Storage(self.ledger.alloc(name, nbytes, component or self.component, stream), nbytes)
+        st.refs = 1
+        return Tensor(st, nbytes, name, requires_grad)
+
+    def param(self, name: str, nbytes: int, requires_grad: bool = True) -> Tensor:
+        """A parameter: its storage is owned elsewhere (model states), never freed here."""
+        return Tensor(None, nbytes, name, requires_grad, param=name)
+
+    def ref(self, t: Tensor) -> Tensor:
+        """Take one more reference to ``t``'s storage (a variable, a saved slot, a buffer)."""
+        if t.storage is not None:
+            t.storage.refs += 1
+        return t
+
+    def release(self, t: Tensor | None) -> None:
+        """Drop one reference; the storage is freed when none is left."""
+        if t is None or t.storage is None:
+            return
+        st = t.storage
+        st.refs -= 1
+        if st.refs == 0:
+            self.ledger.free(st.tid)
+        elif st.refs < 0:
+            raise AssertionError(f"released {t.name} more often than referenced")
+
+    def view(self, t: Tensor, name: str | None = None, nbytes: int | None = None, node_from: Tensor | None = None
+             ) -> Tensor:
+        """A view of ``t`` (transpose, reshape of a contiguous tensor, slice, unsqueeze, expand): no allocation;
+        its grad_fn passes the gradient through to ``t`` (views are grad-transparent for memory)."""
+        v = Tensor(t.storage, t.nbytes if nbytes is None else nbytes, name or t.name, t.requires_grad, is_view=True)
+        self.ref(v)
+        if t.requires_grad and self.grad_enabled:
+            v.node = self._node("ViewBackward", (t,), (), _passthrough)
+        return v
+
+    # -- graph ------------------------------------------------------------------------------------------
+    def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable) -> Node:
+        for s in saved:
+            self.ref(s)
+        node = Node(name, inputs, saved, backward, len(self.nodes))
+        self.nodes.append(node)
+        return node
+
+    def op(self, name: str, out_bytes: int, inputs: tuple, saved: tuple = (), backward: Callable | None = None,
+           component: str | None = None) -> Tensor:
+        """An op with a fresh output of ``out_bytes``: records its node when grad mode is on and an input
+        requires grad. ``saved`` are the tensors autograd keeps for backward (the output may be among them:
+        pass the string "out")."""
+        needs = self.grad_enabled and any(t.requires_grad for t in inputs)
+        out = self.empty(name, out_bytes, needs, component)
+        if needs:
+            saved_t = tuple(out if s == "out" else s for s in saved)
+            out.node = self._node(name, inputs, saved_t, backward or _elementwise_grads)
+        return out
+
+    def keep(self, out: Tensor, extra: Tensor) -> None:
+        """Save ``extra`` for ``out``'s node too (a kernel output allocated after the op's result, such as
+        flash attention's logsumexp)."""
+        if out.node is not None:
+            out.node.saved = (*out.node.saved, self.ref(extra))
+
+    def backward(self, root: Tensor, grad_bytes: int) -> None:
+        """loss.backward(): the gradient of ``root`` (ones_like) and every recorded node in engine order."""
+        if root.node is None:
+            return
+        seed = self.empty("grad.root", grad_bytes, component="activations")
+        self._push(root, seed)
+        self.run_nodes(len(self.nodes) - 1, -1)
+
+    def run_nodes(self, start: int, stop: int) -> None:
+        """Run the nodes from index ``start`` down to ``stop`` (exclusive) that have a gradient waiting."""
+        for i in range(start, stop, -1):
+            node = self.nodes[i]
+            grad = self._buffers.pop(id(node), None)
+            if grad is None:  # nothing flowed here: the engine never schedules it
+                self._release_saved(node)
+                continue
+            ctx = _Ctx(self)
+            outs = node.backward(ctx, grad, node)
+            if outs is grad:  # passthrough of the incoming gradient object
+                outs = (grad,) * len(node.inputs)
+                for _ in range(len(node.inputs) - 1):
+                    self.ref(grad)
+            elif not any(o is grad for o in outs):
+                self.release(grad)  # apply's argument list dies with the call
+            self._release_saved(node)
+            for inp, g in zip(node.inputs, outs):
+                if g is None:
+                    continue
+                if not inp.requires_grad:
+                    self.release(g)
+                elif inp.param is not None and inp.node is None:
+                    self.on_param_grad(inp, g)  # AccumulateGrad runs next (maximum sequence number)
+                else:
+                    self._push(inp, g)
+        self.nodes[stop + 1:start + 1] = []
+
+    def _release_saved(self, node: Node) -> None:
+        for s in node.saved:
+            self.release(s)
+        node.saved = ()
+
+    def _push(self, t: Tensor, grad: Tensor) -> None:
+        """Add ``grad`` to the input buffer of ``t``'s grad_fn (InputBuffer::add)."""
+        if t.node is None:
+            self.release(grad)
+            return
+        key = id(t.node)
+        old = self._buffers.get(key)
+        if old is None:
+            self._buffers[key] = grad
+        elif not old.is_view and old.storage is not None and old.storage.refs == 1:
+            self.release(grad)  # old.add_(grad) in place
+        elif not grad.is_view and grad.storage is not None and grad.storage.refs == 1:
+            self.release(old)  # grad.add_(old) in place, grad becomes the buffer
+            self._buffers[key] = grad
+        else:
+            total = self.empty("grad.accumulate", max(old.nbytes, grad.nbytes))
+            self.release(old)
+            self.release(grad)
+            self._buffers[key] = total
+
+    def free_graph(self) -> None:
+        """Drop every node's saved tensors without running backward (a graph that goes out of scope)."""
+        for node in reversed(self.nodes):
+            self._release_saved(node)
+        self.nodes.clear()
+        for g in self._buffers.values():
+            self.release(g)
+        self._buffers.clear()
+
+
+class _Ctx:
+    """What a backward formula uses to allocate its temporaries and results."""
+
+    __slots__ = ("ag",)
+
+    def __init__(self, ag: Autograd):
+        self.ag = ag
+
+    def new(self, name: str, nbytes: int, view: bool = False) -> Tensor:
+        """A fresh tensor; ``view``: what the input receives is a view of it (a gradient that passes a
+        reshape's backward on its way), which InputBuffer never accumulates into in place."""
+        t = self.ag.empty(name, nbytes, component="activations")
+        t.is_view = view
+        return t
+
+    def free(self, t: Tensor) -> None:
+        self.ag.release(t)
+
+
+def _passthrough(ctx: _Ctx, grad: Tensor, node: Node):
+    """View / add backward: the incoming gradient itself goes to every input (no allocation)."""
+    return grad
+
+
+def _elementwise_grads(ctx: _Ctx, grad: Tensor, node: Node) -> tuple:
+    """Default formula: one fresh gradient per input that needs one, of that input's size, in input order."""
+    return tuple(ctx.new(f"grad.{node.name}", t.nbytes) if t.requires_grad else None for t in node.inputs)
