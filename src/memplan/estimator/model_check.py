@@ -7,7 +7,8 @@ from __future__ import annotations
 from ..hfconfig import model_from_config
 from ..ledger import Ledger
 from .autograd import Autograd
-from .transformer import Params, Shape, llama_forward
+from .families import forward
+from .transformer import Net, Params, Shape
 
 #: the CPU trace drops tensors this small (wrapped scalars; memplan.verify.cputrace.SCALAR_BYTES)
 SCALAR_BYTES = 8
@@ -26,7 +27,7 @@ def model_events(config: dict, batch: int, seq: int, b: int = 2) -> list[tuple[i
     ledger = Ledger()
     ag = Autograd(ledger, on_param_grad=lambda param, grad: None)  # param.grad keeps the stolen grad
     params = Params(ag, spec, b, lambda name: True)
-    out = llama_forward(ag, spec, Shape(batch, seq, seq, b), params)
+    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params))
     ag.release(out.logits)
     loss = out.loss
     ag.backward(loss, 4)

@@ -1,11 +1,13 @@
-"""One micro-step of a transformers causal LM in the autograd model: embeddings, decoder layers, norm, head, loss.
+"""What every transformers causal LM shares in the autograd model: shapes, parameters, module hooks, positions,
+rotary tables, the embedding lookup and the causal-LM loss.
 
-``forward`` mirrors ``*ForCausalLM.forward`` → ``*Model.forward`` → each ``*DecoderLayer.forward`` of
-transformers 5.17 (Llama-style families: llama, mistral, qwen2, qwen3, mixtral): where the Python code binds and
-rebinds variables, the model takes and drops references, so tensors die where the real ones die. The loss is
-``ForCausalLMLoss`` (loss/loss_utils.py): ``logits.float()``, labels padded and shifted, ``cross_entropy``
-(log_softmax + nll_loss). What the training loop keeps of the output object is the caller's business
-(estimator/program.py). Symbols as in blocks.py.
+Each family's forward (estimator/families/<family>.py) mirrors ``*ForCausalLM.forward`` → ``*Model.forward`` →
+each ``*DecoderLayer.forward`` of transformers 5.17: where the Python code binds and rebinds variables, the
+model takes and drops references, so tensors die where the real ones die. The loss is ``ForCausalLMLoss``
+(loss/loss_utils.py): ``logits.float()``, labels padded and shifted, ``cross_entropy`` (log_softmax +
+nll_loss). What the training loop keeps of the output object is the caller's business (estimator/program.py).
+Modules with parameters are called through ``Net.linear`` / ``Net.module`` so that DeepSpeed's per-module
+hooks (ZeRO-3 gathering) can run around them. Symbols as in blocks.py.
 """
 
 from __future__ import annotations
@@ -56,6 +58,49 @@ class Params:
 
     def get(self, name: str) -> Tensor | None:
         return self.by_name.get(name)
+
+
+class ModuleHooks:
+    """What runs around a module with parameters (nn.Module forward pre/post hooks and, through autograd
+    functions on its outputs and inputs, its backward pre/post hooks). The default runs nothing; ZeRO-3's
+    parameter coordinator (estimator/zero3.py) gathers and releases parameters here."""
+
+    def pre_forward(self, ag: Autograd, module: str, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return inputs
+
+    def post_forward(self, ag: Autograd, module: str, output: Tensor) -> Tensor:
+        return output
+
+
+class Net:
+    """One forward's context: the autograd model, the model spec, the shape, the parameters and the hooks."""
+
+    def __init__(self, ag: Autograd, m: ModelSpec, s: Shape, p: Params, hooks: ModuleHooks | None = None,
+                 layer_fn=None):
+        self.ag, self.m, self.s, self.p = ag, m, s, p
+        self.hooks = hooks or ModuleHooks()
+        self.layer_fn = layer_fn  # (i, x, run) → output: wraps each decoder layer (checkpointing)
+
+    def module(self, name: str, fn, *inputs: Tensor) -> Tensor:
+        """Call module ``name`` (``fn(*inputs)``) between its hooks."""
+        inputs = self.hooks.pre_forward(self.ag, name, inputs)
+        out = fn(*inputs)
+        return self.hooks.post_forward(self.ag, name, out)
+
+    def linear(self, x: Tensor, name: str, out_features: int, bias: bool = False) -> Tensor:
+        """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]."""
+        s, p = self.s, self.p
+        b_t = p[f"{name}.bias"] if bias else None
+        return self.module(name, lambda z: B.linear(self.ag, z, p[f"{name}.weight"], s.b * s.tokens * out_features,
+                                                    name, b_t), x)
+
+    def rmsnorm(self, x: Tensor, name: str) -> Tensor:
+        """The family's RMSNorm module ``name`` on x."""
+        return self.module(name, lambda z: B.rmsnorm(self.ag, z, self.p[f"{name}.weight"], self.s.b, name), x)
+
+    def layer(self, i: int, x: Tensor, run) -> Tensor:
+        """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing/ZeRO-3 layer function."""
+        return self.layer_fn(i, x, run) if self.layer_fn else run(x)
 
 
 @dataclass
@@ -111,74 +156,6 @@ def rotary(ag: Autograd, m: ModelSpec, s: Shape) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
-def llama_attention(ag: Autograd, m: ModelSpec, s: Shape, p: Params, x: Tensor, i: int, cos: Tensor,
-                    sin: Tensor) -> Tensor:
-    """LlamaAttention.forward: q/k/v projections (views to [B, heads, S, d]), RoPE on q and k, the
-    attention kernel, the output projection."""
-    pre, t, b = f"model.layers.{i}.self_attn", s.tokens, s.b
-    bias = m.attention_bias
-    proj = []
-    for which, width in (("q", m.q_dim), ("k", m.kv_dim), ("v", m.kv_dim)):
-        z = B.linear(ag, x, p[f"{pre}.{which}_proj.weight"], b * t * width, f"{pre}.{which}_proj",
-                     p.get(f"{pre}.{which}_proj.bias") if bias else None)
-        # .view(hidden_shape).transpose(1, 2): q and k reach RoPE, whose grads come back in the kernel's
-        # [B, heads, S, d] layout, so the view's backward (a reshape of the transposed grad) copies them
-        proj.append(B.heads_view(ag, z, copy_grad=which != "v"))
-        ag.release(z)
-    qv, kv, vv = proj
-    qr = B.rotate_half_embed(ag, qv, cos, sin, f"{pre}.q")
-    kr = B.rotate_half_embed(ag, kv, cos, sin, f"{pre}.k")
-    ag.release(qv)
-    ag.release(kv)
-    out = B.flash_attention(ag, qr, kr, vv, heads=m.num_heads, kv_heads=m.num_kv_heads, seq=s.attn_seq,
-                            batch=s.batch, head_dim=m.head_dim, b=b, name=f"{pre}.attn")
-    for z in (qr, kr, vv):
-        ag.release(z)
-    o_in = ag.view(out)  # transpose(1, 2).contiguous() and reshape: already [B, S, nh, d]
-    ag.release(out)
-    y = B.linear(ag, o_in, p[f"{pre}.o_proj.weight"], b * t * m.hidden_size, f"{pre}.o_proj",
-                 p.get(f"{pre}.o_proj.bias") if m.attention_out_bias else None)
-    ag.release(o_in)
-    return y
-
-
-def llama_mlp(ag: Autograd, m: ModelSpec, s: Shape, p: Params, x: Tensor, i: int) -> Tensor:
-    """LlamaMLP.forward: down(act(gate(x)) · up(x))."""
-    pre, t, b, n = f"model.layers.{i}.mlp", s.tokens, s.b, m.intermediate_size
-    gate = B.linear(ag, x, p[f"{pre}.gate_proj.weight"], b * t * n, f"{pre}.gate_proj")
-    act = B.silu(ag, gate, f"{pre}.act")
-    ag.release(gate)
-    up = B.linear(ag, x, p[f"{pre}.up_proj.weight"], b * t * n, f"{pre}.up_proj")
-    prod = B.mul(ag, act, up, b * t * n, f"{pre}.act_up")
-    ag.release(act)
-    ag.release(up)
-    y = B.linear(ag, prod, p[f"{pre}.down_proj.weight"], b * t * m.hidden_size, f"{pre}.down_proj")
-    ag.release(prod)
-    return y
-
-
-def llama_layer(ag: Autograd, m: ModelSpec, s: Shape, p: Params, x: Tensor, i: int, cos: Tensor,
-                sin: Tensor) -> Tensor:
-    """LlamaDecoderLayer.forward; ``x`` stays referenced by the caller during the call."""
-    pre = f"model.layers.{i}"
-    residual = ag.ref(x)
-    h = B.rmsnorm(ag, x, p[f"{pre}.input_layernorm.weight"], s.b, f"{pre}.input_layernorm")
-    a = llama_attention(ag, m, s, p, h, i, cos, sin)
-    ag.release(h)
-    h = B.add(ag, residual, a, f"{pre}.attn_residual")
-    ag.release(a)
-    ag.release(residual)
-    residual = ag.ref(h)
-    h2 = B.rmsnorm(ag, h, p[f"{pre}.post_attention_layernorm.weight"], s.b, f"{pre}.post_attention_layernorm")
-    ag.release(h)
-    y = llama_mlp(ag, m, s, p, h2, i)
-    ag.release(h2)
-    out = B.add(ag, residual, y, f"{pre}.mlp_residual")
-    ag.release(y)
-    ag.release(residual)
-    return out
-
-
 def embedding(ag: Autograd, m: ModelSpec, s: Shape, weight: Tensor) -> Tensor:
     """nn.Embedding: the looked-up rows [T, h]. EmbeddingBackward0 (embedding_dense_backward on CUDA) builds
     the whole table's grad [V, h] in the weight's dtype; on CUDA it first sorts the int64 indices [T]
@@ -217,34 +194,6 @@ def causal_lm_loss(ag: Autograd, m: ModelSpec, s: Shape, logits: Tensor) -> Tens
     ag.release(padded)
     ag.release(shifted)
     return loss
-
-
-def llama_forward(ag: Autograd, m: ModelSpec, s: Shape, p: Params, layer_fn=None) -> Output:
-    """LlamaForCausalLM.forward(input_ids, labels): the output object (loss and logits).
-
-    ``layer_fn(i, x, run)`` wraps each decoder layer's call (checkpointing, ZeRO-3 gathering); it must call
-    ``run(x)`` once and return its output."""
-    emb = embedding(ag, m, s, p["model.embed_tokens.weight"])
-    pos_ids = positions(ag, s)
-    cos, sin = rotary(ag, m, s)
-    hidden = ag.ref(emb)
-    for i in range(m.num_layers):
-        def run(x, i=i):
-            return llama_layer(ag, m, s, p, x, i, cos, sin)
-        new = layer_fn(i, hidden, run) if layer_fn else run(hidden)
-        ag.release(hidden)
-        hidden = new
-    normed = B.rmsnorm(ag, hidden, p["model.norm.weight"], s.b, "model.norm")
-    ag.release(hidden)
-    for t in (pos_ids, emb, cos, sin):  # LlamaModel.forward returns: its locals die in co_varnames order
-        ag.release(t)
-    head_in = ag.view(normed)  # hidden_states[:, slice(0, None), :]
-    ag.release(normed)
-    logits = B.linear(ag, head_in, p["lm_head.weight"], s.b * s.tokens * m.vocab_size, "lm_head")
-    ag.release(head_in)
-    logits_comp(ag, logits)
-    loss = causal_lm_loss(ag, m, s, logits)
-    return Output(loss, logits)
 
 
 def logits_comp(ag: Autograd, logits: Tensor) -> None:
