@@ -68,6 +68,7 @@ class Autograd:
         self.nodes: list[Node] = []
         self.grad_enabled = True
         self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
+        self.before_matmul: Callable[[], None] | None = None  # called once, before the first matmul
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
 
     # -- storage ----------------------------------------------------------------------------------------

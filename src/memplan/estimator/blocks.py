@@ -33,6 +33,9 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
 
     inputs = (x, weight, bias) if bias is not None else (x, weight)
     saved = (x,) if weight.requires_grad else ()
+    if ag.before_matmul is not None:  # the first cuBLAS call creates its handle's workspaces
+        hook, ag.before_matmul = ag.before_matmul, None
+        hook()
     return ag.op(name, out_bytes, inputs, saved, backward)
 
 
