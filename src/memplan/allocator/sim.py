@@ -1,0 +1,620 @@
+"""A replay of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, DeviceCachingAllocator).
+
+Every rule below names the torch function it models; docs/allocator.md names the version read and what is not
+modelled. The state is torch's: per (pool, stream) a set of free blocks ordered by (size, address), the
+BlockComparatorSize order (``BlockPool::blocks``), kept here as a sorted list of integer keys
+``size * KEY_SPAN + address`` searched with bisect; blocks are doubly linked inside their segment (``Block::prev``
+/ ``next``) so a free merges with free neighbours of the same segment only (``try_merge_blocks``). Addresses are
+simulated: each cudaMalloc takes the next 2 MiB-aligned range, so among equal-sized cached blocks the one from
+the older segment wins the tie, as it does when the driver hands out rising addresses.
+
+Speed: the common case (a cached block fits) runs inline in ``_Replay._span``; a new segment, expandable-segment
+mapping, the OOM path and empty_cache run in the methods below it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from .config import (
+    MIN_BLOCK_BYTES,
+    MIN_LARGE_ALLOC_BYTES,
+    ROUND_LARGE_BYTES,
+    ROUNDUP_FIRST_LOG2,
+    ROUNDUP_INTERVALS,
+    SMALL_BUFFER_BYTES,
+    SMALL_SIZE_BYTES,
+    AllocatorConfig,
+)
+from .result import OomInfo, PhasePeak, SimResult
+
+#: free-list keys are size * KEY_SPAN + address, so simulated addresses stay below 2**52 (4 PiB)
+KEY_SPAN = 1 << 52
+#: where simulated cudaMalloc addresses start, and their alignment (the driver aligns large allocations to 2 MiB)
+_ADDR_BASE = 1 << 32
+_ADDR_ALIGN = 2 << 20
+#: virtual address space reserved per expandable segment. ExpandableSegment reserves 1 1/8 of the card's memory
+#: (ExpandableSegment constructor, cuMemAddressReserve); 1 TiB stands for "more than any card", so the unmapped
+#: tail never runs out
+_EXPANDABLE_VA_BYTES = 1 << 40
+
+ALLOCATED, FREE, UNMAPPED = 0, 1, 2  # Block state: in use; cached (in BlockPool::blocks); BlockPool::unmapped
+
+
+class _Block:
+    """Block: a piece of one segment. ``state`` is ALLOCATED, FREE or UNMAPPED (expandable segments only)."""
+
+    __slots__ = ("addr", "es", "fl", "key", "next", "prev", "req", "size", "state")
+
+    def __init__(self, addr: int, size: int, state: int, fl: _FreeList, es: _ExpSeg | None) -> None:
+        self.addr = addr
+        self.size = size
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+        self.state = state
+        self.fl = fl
+        self.key = 0
+        self.es = es
+        self.req = 0  # the rounded request while allocated
+
+
+class _FreeList:
+    """BlockPool restricted to one stream: the cached blocks (keys/blocks, same order) and the unmapped ones."""
+
+    __slots__ = ("blocks", "keys", "small", "stream", "ublocks", "ukeys")
+
+    def __init__(self, small: bool, stream: int) -> None:
+        self.small = small
+        self.stream = stream
+        self.keys: list[int] = []
+        self.blocks: list[_Block] = []
+        self.ukeys: list[int] = []  # BlockPool::unmapped, ordered by address (BlockComparatorAddress)
+        self.ublocks: list[_Block] = []
+
+    def insert(self, b: _Block) -> None:
+        key = b.key = b.size * KEY_SPAN + b.addr
+        k = bisect_left(self.keys, key)
+        self.keys.insert(k, key)
+        self.blocks.insert(k, b)
+
+    def remove(self, b: _Block) -> None:
+        k = bisect_left(self.keys, b.key)
+        del self.keys[k]
+        del self.blocks[k]
+
+    def insert_unmapped(self, b: _Block) -> None:
+        k = bisect_left(self.ukeys, b.addr)
+        self.ukeys.insert(k, b.addr)
+        self.ublocks.insert(k, b)
+
+    def remove_unmapped(self, b: _Block) -> None:
+        k = bisect_left(self.ukeys, b.addr)
+        del self.ukeys[k]
+        del self.ublocks[k]
+
+
+class _ExpSeg:
+    """ExpandableSegment: a reserved virtual range, mapped in pages of ``page`` bytes (its segment_size_)."""
+
+    __slots__ = ("base", "page")
+
+    def __init__(self, base: int, page: int) -> None:
+        self.base = base
+        self.page = page
+
+
+class _Oom(Exception):
+    def __init__(self, alloc_bytes: int) -> None:
+        self.alloc_bytes = alloc_bytes
+
+
+def _round_power2_divisions(size: int, divisions: int) -> int:
+    """roundup_power2_next_division: round up to the next of ``divisions`` equal steps between powers of two."""
+    if size & (size - 1) == 0:
+        return size
+    floor2 = 1 << (size.bit_length() - 1)
+    step = floor2 >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor2 << 1
+    low = size & ~(step - 1)
+    return size if low == size else low + step
+
+
+def round_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
+    """round_size: the block size a request of ``nbytes`` asks for (512-byte multiples, or power-of-2 divisions)."""
+    if nbytes < MIN_BLOCK_BYTES:
+        return MIN_BLOCK_BYTES
+    table = config.divisions_table if config is not None else None
+    if table is not None:
+        index = min(max(nbytes.bit_length() - 1 - ROUNDUP_FIRST_LOG2, 0), ROUNDUP_INTERVALS - 1)
+        d = table[index]
+        if d > 1 and nbytes > MIN_BLOCK_BYTES * d:
+            return _round_power2_divisions(nbytes, d)
+    return -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+
+
+def allocation_size(size: int, config: AllocatorConfig) -> int:
+    """get_allocation_size: the segment cudaMalloc'd for a rounded request that no cached block fits."""
+    if size <= SMALL_SIZE_BYTES:
+        return SMALL_BUFFER_BYTES
+    if size < MIN_LARGE_ALLOC_BYTES:
+        return config.large_segment_size_bytes
+    return -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+
+
+class _Replay:
+    """DeviceCachingAllocator's state during one replay of a ledger."""
+
+    def __init__(self, ledger, config: AllocatorConfig) -> None:
+        self.cfg = config
+        self.events = ledger.events
+        self.sizes = ledger.sizes
+        self.streams = ledger.streams
+        self.exp = config.expandable_segments
+        self.msplit = config.max_split_size_bytes  # None: torch's SIZE_MAX
+        self.nsr = config.non_split_rounding_bytes
+        self.table = config.divisions_table
+        self.card = config.card_bytes
+        self.fls: dict[int, _FreeList] = {}
+        self.live: dict[int, _Block] = {}
+        self.next_addr = _ADDR_BASE
+        self.free_bases: list[int] = []  # virtual ranges of released expandable segments, reused first
+        # counters (DeviceStats)
+        self.allocated = self.rounded = self.reserved = 0
+        self.unsplit_free = 0  # bytes of cached blocks that are whole cudaMalloc segments
+        self.segments = 0
+        self.num_device_alloc = self.num_device_free = self.retries = 0
+        # peaks: over the whole replay, and since the last phase mark
+        self.g_alloc = self.g_round = self.g_res = 0
+        self.g_alloc_at = self.g_res_at = -1
+        self.p_alloc = self.p_round = self.p_res = 0
+        self.frag = self.inactive = self.seg_at_peak = 0
+        self.pending_peak = False
+        self.timeline: list[tuple[int, int]] = []
+        self.i = 0  # the event being replayed (for the slow paths)
+
+    # -- the common case, inline ------------------------------------------------------------------------
+    def _span(self, start: int, stop: int) -> None:
+        """Replay events[start:stop]; a cached block that fits is found inline, anything else goes to _malloc."""
+        events, sizes, streams, live, fls = self.events, self.sizes, self.streams, self.live, self.fls
+        exp, msplit, nsr, table, cfg = self.exp, self.msplit, self.nsr, self.table, self.cfg
+        no_split_cap = msplit if msplit is not None else 1 << 62
+        allocated, rounded, unsplit = self.allocated, self.rounded, self.unsplit_free
+        p_alloc, p_round, g_alloc, g_round, g_alloc_at = self.p_alloc, self.p_round, self.g_alloc, self.g_round, self.g_alloc_at
+        for i in range(start, stop):
+            ev = events[i]
+            if ev >= 0:
+                n = sizes[ev]
+                if n <= 0:
+                    continue  # NativeCachingAllocator::allocate does not call malloc for 0 bytes
+                size = (n + 511) & -512 if table is None else round_size(n, cfg)
+                small = size <= SMALL_SIZE_BYTES
+                fl = fls.get(streams[ev] * 2 + small)
+                blk = None
+                if fl is not None:
+                    keys = fl.keys
+                    j = bisect_left(keys, size * KEY_SPAN)  # get_free_block: pool.blocks.lower_bound
+                    if j < len(keys):
+                        blocks = fl.blocks
+                        blk = blocks[j]
+                        if exp and blk.es is not None:
+                            # get_free_block: a block next to the unmapped tail counts as its expandable size
+                            xs = blk.size + (blk.next.size if blk.next is not None and blk.next.state == 2 else 0)
+                            while j + 1 < len(blocks):
+                                nb = blocks[j + 1]
+                                nxs = nb.size + (nb.next.size if nb.next is not None and nb.next.state == 2 else 0)
+                                if nxs >= xs:
+                                    break
+                                j, blk, xs = j + 1, nb, nxs
+                        if msplit is not None and ((size < msplit and blk.size >= msplit)
+                                                   or (size >= msplit and blk.size >= size + nsr)):
+                            blk = None  # get_free_block: oversize rules
+                        else:
+                            del keys[j]
+                            del blocks[j]
+                            if blk.prev is None and blk.next is None:
+                                unsplit -= blk.size
+                slow = blk is None
+                if slow:
+                    self.allocated, self.rounded, self.unsplit_free, self.i = allocated, rounded, unsplit, i
+                    blk = self._malloc(size, small, streams[ev])
+                    unsplit = self.unsplit_free
+                    fl = blk.fl
+                # alloc_found_block, with should_split's rule
+                rem = blk.size - size
+                if (rem >= MIN_BLOCK_BYTES) if (small or exp) else (size < no_split_cap and rem > SMALL_SIZE_BYTES):
+                    nb = _Block(blk.addr, size, 0, fl, blk.es)
+                    p = blk.prev
+                    nb.prev = p
+                    if p is not None:
+                        p.next = nb
+                    nb.next = blk
+                    blk.prev = nb
+                    blk.addr += size
+                    blk.size = rem
+                    blk.state = 1
+                    key = blk.key = rem * KEY_SPAN + blk.addr
+                    k = bisect_left(fl.keys, key)
+                    fl.keys.insert(k, key)
+                    fl.blocks.insert(k, blk)
+                    blk = nb
+                else:
+                    blk.state = 0
+                blk.req = size
+                live[ev] = blk
+                allocated += blk.size
+                rounded += size
+                if allocated > p_alloc:
+                    p_alloc = allocated
+                    if allocated > g_alloc:
+                        g_alloc, g_alloc_at = allocated, i
+                if rounded > p_round:
+                    p_round = rounded
+                    g_round = max(g_round, rounded)
+                if slow and self.pending_peak:
+                    self.allocated, self.unsplit_free = allocated, unsplit
+                    self._record_peak_state()
+            else:
+                blk = live.pop(~ev, None)
+                if blk is None:
+                    continue  # a 0-byte tensor
+                allocated -= blk.size
+                rounded -= blk.req
+                # free_block: merge with free neighbours of the same segment (try_merge_blocks)
+                fl = blk.fl
+                keys, blocks = fl.keys, fl.blocks
+                p = blk.prev
+                if p is not None and p.state == 1:
+                    k = bisect_left(keys, p.key)
+                    del keys[k]
+                    del blocks[k]
+                    blk.addr = p.addr
+                    blk.size += p.size
+                    p = blk.prev = p.prev
+                    if p is not None:
+                        p.next = blk
+                q = blk.next
+                if q is not None and q.state == 1:
+                    k = bisect_left(keys, q.key)
+                    del keys[k]
+                    del blocks[k]
+                    blk.size += q.size
+                    q = blk.next = q.next
+                    if q is not None:
+                        q.prev = blk
+                blk.state = 1
+                key = blk.key = blk.size * KEY_SPAN + blk.addr
+                k = bisect_left(keys, key)
+                keys.insert(k, key)
+                blocks.insert(k, blk)
+                if p is None and q is None:
+                    unsplit += blk.size
+        self.allocated, self.rounded, self.unsplit_free = allocated, rounded, unsplit
+        self.p_alloc, self.p_round, self.g_alloc, self.g_round, self.g_alloc_at = p_alloc, p_round, g_alloc, g_round, g_alloc_at
+
+    # -- DeviceCachingAllocator::malloc when no cached block was taken inline --------------------------------------
+    def _malloc(self, size: int, small: bool, stream: int) -> _Block:
+        key = stream * 2 + small
+        fl = self.fls.get(key)
+        if fl is None:
+            fl = self.fls[key] = _FreeList(small, stream)
+        blk = self._get_free_block(fl, size)
+        if blk is not None:
+            return blk
+        alloc = allocation_size(size, self.cfg)
+        blk = self._alloc_block(fl, size, alloc)
+        if blk is None and self.msplit is not None and self._release_available_cached_blocks(fl, size):
+            blk = self._alloc_block(fl, size, alloc)
+        if blk is None:
+            self.release_cached_blocks()
+            self.retries += 1  # alloc_block(isRetry=true): stats.num_alloc_retries
+            blk = self._alloc_block(fl, size, alloc)
+        if blk is None:
+            raise _Oom(alloc)
+        return blk
+
+    def _get_free_block(self, fl: _FreeList, size: int) -> _Block | None:
+        """get_free_block: best fit by (size, address), the expandable-size walk, the oversize rules."""
+        keys, blocks = fl.keys, fl.blocks
+        j = bisect_left(keys, size * KEY_SPAN)
+        if j == len(keys):
+            return None
+        if self.exp and blocks[j].es is not None:
+            def xs(b: _Block) -> int:
+                return b.size + (b.next.size if b.next is not None and b.next.state == UNMAPPED else 0)
+            while j + 1 < len(blocks) and xs(blocks[j + 1]) < xs(blocks[j]):
+                j += 1
+        blk = blocks[j]
+        m = self.msplit
+        if m is not None and ((size < m and blk.size >= m) or (size >= m and blk.size >= size + self.nsr)):
+            return None
+        del keys[j]
+        del blocks[j]
+        if blk.prev is None and blk.next is None:
+            self.unsplit_free -= blk.size
+        return blk
+
+    def _grow(self, nbytes: int) -> None:
+        """reserved_bytes.increase, with the peaks (Stat::increase)."""
+        r = self.reserved = self.reserved + nbytes
+        self.num_device_alloc += 1
+        self.timeline.append((self.i, r))
+        self.p_res = max(self.p_res, r)
+        if r > self.g_res:
+            self.g_res, self.g_res_at, self.pending_peak = r, self.i, True
+
+    def _shrink(self, nbytes: int) -> None:
+        self.reserved -= nbytes
+        self.num_device_free += 1
+        self.timeline.append((self.i, self.reserved))
+
+    def _record_peak_state(self) -> None:
+        self.pending_peak = False
+        self.frag = self.reserved - self.allocated
+        self.inactive = self.frag - self.unsplit_free
+        self.seg_at_peak = self.segments
+
+    def _alloc_block(self, fl: _FreeList, size: int, alloc: int) -> _Block | None:
+        """alloc_block: cudaMalloc a new segment, or map pages of the stream's expandable segment."""
+        if self.exp:
+            return self._try_allocate_expandable_block(fl, size)
+        if self.card is not None and self.reserved + alloc > self.card:
+            return None  # cudaMalloc fails: cudaErrorMemoryAllocation
+        addr = self.next_addr
+        self.next_addr += -(-alloc // _ADDR_ALIGN) * _ADDR_ALIGN
+        self.segments += 1
+        self._grow(alloc)
+        return _Block(addr, alloc, ALLOCATED, fl, None)
+
+    def _release_available_cached_blocks(self, fl: _FreeList, size: int) -> bool:
+        """release_available_cached_blocks: cudaFree oversize cached blocks of this stream, just enough for ``size``."""
+        m = self.msplit
+        want = max(size, m)
+        keys, blocks = fl.keys, fl.blocks
+        j = bisect_left(keys, want * KEY_SPAN)
+        if j < len(keys) and blocks[j].es is None and blocks[j].prev is None and blocks[j].next is None:
+            self._release_block(blocks[j])
+            return True
+        if j == 0:
+            return False
+        released = 0
+        j -= 1
+        while released < want and j >= 0 and blocks[j].size >= m:
+            b = blocks[j]
+            j -= 1
+            if b.es is None and b.prev is None and b.next is None:  # oversize cached blocks are whole segments
+                released += b.size
+                self._release_block(b)
+        return released >= want
+
+    def release_cached_blocks(self) -> None:
+        """release_cached_blocks (empty_cache, and the OOM path): cudaFree every cached block that is a whole
+        segment, large pool first (release_blocks); unmap the free pages of expandable segments (unmap_block)."""
+        for small in (False, True):
+            for fl in [f for f in self.fls.values() if f.small == small]:
+                to_unmap = []
+                for b in list(fl.blocks):
+                    if b.es is not None:
+                        to_unmap.append(b)
+                    elif b.prev is None and b.next is None:
+                        self._release_block(b)
+                for b in to_unmap:
+                    self._unmap_block(b)
+                    if b.state == UNMAPPED and b.prev is None and b.next is None:  # release_expandable_segment
+                        fl.remove_unmapped(b)
+                        self.segments -= 1
+                        self.free_bases.append(b.es.base)
+
+    def _release_block(self, b: _Block) -> None:
+        """release_block: cudaFree a cached block that is a whole segment."""
+        b.fl.remove(b)
+        self.unsplit_free -= b.size
+        self.segments -= 1
+        self._shrink(b.size)
+
+    # -- expandable segments -------------------------------------------------------------------------------
+    def _try_allocate_expandable_block(self, fl: _FreeList, size: int) -> _Block | None:
+        """try_allocate_expandable_block: find address room (find_expandable_block), map pages until it fits."""
+        c = self._find_expandable_block(fl, size)
+        if c.state == UNMAPPED and not self._map_block(c, min(c.size, size)):
+            return None
+        while c.size < size:
+            nc = c.next  # invariant: free -> unmapped -> ...
+            if not self._map_block(nc, min(size - c.size, nc.size)):
+                return None
+            c = nc
+        fl.remove(c)
+        return c
+
+    def _find_expandable_block(self, fl: _FreeList, size: int) -> _Block:
+        """find_expandable_block: the lowest-addressed unmapped range (with the free block before it) with room."""
+        for c in fl.ublocks:
+            if c.prev is not None and c.prev.state == FREE:
+                c = c.prev
+            room, b = 0, c
+            while room < size and b is not None and b.state != ALLOCATED:
+                room += b.size
+                b = b.next
+            if room >= size:
+                return c
+        page = SMALL_BUFFER_BYTES if fl.small else self.cfg.large_segment_size_bytes
+        if self.free_bases:
+            base = self.free_bases.pop()
+        else:
+            base = self.next_addr
+            self.next_addr += _EXPANDABLE_VA_BYTES
+        c = _Block(base, _EXPANDABLE_VA_BYTES, UNMAPPED, fl, _ExpSeg(base, page))
+        fl.insert_unmapped(c)
+        self.segments += 1
+        return c
+
+    def _map_block(self, b: _Block, size: int) -> bool:
+        """map_block: map the pages covering [b.addr, b.addr + size); split off the rest; merge with free neighbours."""
+        es, fl = b.es, b.fl
+        off = b.addr - es.base
+        mapped = (-(-(off + size) // es.page) - off // es.page) * es.page  # ExpandableSegment::map: whole pages
+        if self.card is not None and self.reserved + mapped > self.card:
+            return False  # cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY
+        fl.remove_unmapped(b)
+        b.state = FREE
+        if mapped < b.size:
+            rest = _Block(b.addr + mapped, b.size - mapped, UNMAPPED, fl, es)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            fl.insert_unmapped(rest)
+            b.size = mapped
+        self._merge(b, b.prev)
+        self._merge(b, b.next)
+        fl.insert(b)
+        self._grow(mapped)
+        return True
+
+    def _merge(self, dst: _Block, src: _Block | None) -> None:
+        """try_merge_blocks: dst absorbs src when src is unallocated and equally mapped."""
+        if src is None or src.state == ALLOCATED or src.state != dst.state:
+            return
+        if src.state == FREE:
+            src.fl.remove(src)
+        else:
+            src.fl.remove_unmapped(src)
+        if dst.prev is src:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if src.prev is not None:
+                src.prev.next = dst
+        else:
+            dst.next = src.next
+            if src.next is not None:
+                src.next.prev = dst
+        dst.size += src.size
+
+    def _unmap_block(self, b: _Block) -> None:
+        """unmap_block: unmap the whole free pages inside a cached expandable block; the partial ends stay cached."""
+        es, fl = b.es, b.fl
+        off = b.addr - es.base
+        begin, end = -(-off // es.page), (off + b.size) // es.page
+        if begin >= end:
+            return
+        fl.remove(b)
+        before = begin * es.page - off
+        after = b.size - before - (end - begin) * es.page
+        if before > 0:
+            bf = _Block(b.addr, before, FREE, fl, es)
+            bf.prev, bf.next = b.prev, b
+            if b.prev is not None:
+                b.prev.next = bf
+            b.prev = bf
+            fl.insert(bf)
+        if after > 0:
+            af = _Block(es.base + end * es.page, after, FREE, fl, es)
+            af.prev, af.next = b, b.next
+            if b.next is not None:
+                b.next.prev = af
+            b.next = af
+            fl.insert(af)
+        b.addr = es.base + begin * es.page
+        b.size = (end - begin) * es.page
+        b.state = UNMAPPED
+        self._merge(b, b.prev)
+        self._merge(b, b.next)
+        fl.insert_unmapped(b)
+        self._shrink((end - begin) * es.page)
+
+    # -- driving a ledger ------------------------------------------------------------------------------------
+    def run(self, ledger, per_event: list | None = None) -> SimResult:
+        marks = sorted(ledger.marks, key=lambda m: m.at)
+        n = len(self.events)
+        phases: list[PhasePeak] = []
+        label, start = None, 0
+        oom = None
+        pos = 0
+        try:
+            for m in [*marks, None]:
+                stop = n if m is None else min(m.at, n)
+                if per_event is None:
+                    self._span(pos, stop)
+                else:
+                    for i in range(pos, stop):
+                        self._span(i, i + 1)
+                        per_event.append((self.allocated, self.reserved))
+                pos = stop
+                if m is None:
+                    break
+                if m.kind == "empty_cache":
+                    self.i = m.at
+                    self.release_cached_blocks()
+                else:
+                    if label is not None:
+                        phases.append(PhasePeak(label, start, m.at, self.p_alloc, self.p_res, self.p_round))
+                    label, start = m.label, m.at
+                    self.p_alloc, self.p_res, self.p_round = self.allocated, self.reserved, self.rounded
+        except _Oom as e:
+            ev = self.events[self.i]
+            oom = OomInfo(self.i, ev, self.sizes[ev], e.alloc_bytes, self.reserved, self.allocated)
+            pos = n = self.i
+        if label is not None:
+            phases.append(PhasePeak(label, start, n, self.p_alloc, self.p_res, self.p_round))
+        return SimResult(
+            peak_reserved_bytes=self.g_res, peak_reserved_at=self.g_res_at,
+            peak_allocated_bytes=self.g_alloc, peak_allocated_at=self.g_alloc_at, peak_rounded_bytes=self.g_round,
+            reserved_end_bytes=self.reserved, allocated_end_bytes=self.allocated,
+            fragmentation_at_peak_bytes=self.frag, inactive_split_at_peak_bytes=self.inactive,
+            segments_at_peak=self.seg_at_peak, segments_end=self.segments,
+            num_device_alloc=self.num_device_alloc, num_device_free=self.num_device_free,
+            num_alloc_retries=self.retries, oom=oom, events_replayed=pos, phases=tuple(phases),
+            reserved_timeline=tuple(self.timeline))
+
+
+def _as_config(config: AllocatorConfig | None) -> AllocatorConfig:
+    return AllocatorConfig() if config is None else config
+
+
+def simulate(ledger, config: AllocatorConfig | None = None) -> SimResult:
+    """Replay ``ledger`` (a memplan.ledger.Ledger) through the caching allocator; see SimResult.
+
+    Events are ``ledger.events`` (tensor id to allocate, ``~id`` to free) with ``ledger.sizes`` and
+    ``ledger.streams``; a mark of kind "phase" resets the phase peaks (torch.cuda.reset_peak_memory_stats), one
+    of kind "empty_cache" runs torch.cuda.empty_cache() before the event at ``mark.at``. The replay stops at an
+    out-of-memory event (``SimResult.oom``) when ``config.card_bytes`` is set.
+    """
+    return _Replay(ledger, _as_config(config)).run(ledger)
+
+
+def replay_series(ledger, config: AllocatorConfig | None = None) -> tuple[SimResult, list[tuple[int, int]]]:
+    """``simulate``, plus (allocated, reserved) after every replayed event (slower: for tests and timelines)."""
+    series: list[tuple[int, int]] = []
+    result = _Replay(ledger, _as_config(config)).run(ledger, per_event=series)
+    return result, series
+
+
+def ledger_from_events(events) -> object:
+    """A Ledger from ``(kind, key, nbytes, stream)`` tuples: kind "alloc" (key names the tensor), "free" (by key),
+    "phase" (key is the label) or "empty_cache"; nbytes and stream are read for "alloc" only."""
+    from memplan.ledger import EMPTY_CACHE, Ledger
+
+    led = Ledger()
+    ids: dict = {}
+    for kind, key, nbytes, stream in events:
+        if kind == "alloc":
+            if key in ids:
+                raise ValueError(f"alloc of {key!r}, which is live already")
+            ids[key] = led.alloc(str(key), nbytes, "other", stream)
+        elif kind == "free":
+            if key not in ids:
+                raise ValueError(f"free of {key!r}, which is not live")
+            led.free(ids.pop(key))
+        elif kind == "phase":
+            led.mark(str(key))
+        elif kind == "empty_cache":
+            led.mark("empty_cache", EMPTY_CACHE)
+        else:
+            raise ValueError(f"event kind {kind!r}: use alloc, free, phase or empty_cache")
+    return led
+
+
+def simulate_events(events, config: AllocatorConfig | None = None) -> SimResult:
+    """``simulate`` over ``(kind, key, nbytes, stream)`` tuples (see ledger_from_events), without building a
+    Ledger by hand."""
+    return simulate(ledger_from_events(events), config)
