@@ -31,7 +31,10 @@ from pathlib import Path
 MiB = 2**20
 HERE = Path(__file__).resolve()
 CONFIGS = ["", "expandable_segments:True", "max_split_size_mb:64", "roundup_power2_divisions:4",
-           "max_split_size_mb:40,max_non_split_rounding_mb:30", "expandable_segments:True,max_split_size_mb:64"]
+           "max_split_size_mb:40,max_non_split_rounding_mb:30", "expandable_segments:True,max_split_size_mb:64",
+           "garbage_collection_threshold:0.5", "large_segment_size_mb:40"]
+#: the per-process memory fraction (in bytes) every scenario of a configuration runs under, when it names none
+CONFIG_LIMITS = {"garbage_collection_threshold:0.5": 1024 * MiB + 3 * MiB}
 CONF_PROBES = ["large_segment_size_mb:40", "max_split_size_mb:19", "max_split_size_mb:20", "max_non_split_rounding_mb:10",
                "roundup_power2_divisions:3", "roundup_power2_divisions:[64:8,256:4,>:1]", "expandable_segments:true",
                "expandable_segments:True", "garbage_collection_threshold:0.5", "per_process_memory_fraction:0.5",
@@ -65,10 +68,14 @@ def toy_scenarios() -> list[dict]:
                                 ["f", 2], ["e"], ["a", 3, 2 * MiB, 0], ["p"], ["f", 1], ["e"]])
     for physical in (False, True):
         tag = "physical" if physical else "fraction"
+        limit = 62 if physical else 61  # physical: a multiple of the driver's 2 MiB granularity
         add(f"retry_then_oom_{tag}", [["a", 0, 30 * MiB, 0], ["f", 0], ["a", 1, 40 * MiB, 0], ["a", 2, 30 * MiB, 0]],
-            limit_mib=61, physical=physical)
+            limit_mib=limit, physical=physical)
         add(f"expandable_oom_{tag}", [["a", 0, 5 * MiB, 0], ["a", 1, 25 * MiB, 0], ["f", 1], ["a", 2, 45 * MiB, 0],
-                                      ["a", 3, 30 * MiB, 0]], limit_mib=61, physical=physical)
+                                      ["a", 3, 30 * MiB, 0]], limit_mib=limit, physical=physical)
+    add("garbage_collection", [["a", 0, 30 * MiB, 0], ["f", 0], ["a", 1, 32 * MiB, 0], ["f", 1], ["a", 2, 34 * MiB, 0],
+                               ["f", 2], ["a", 3, 36 * MiB, 0], ["a", 4, 38 * MiB, 0], ["a", 5, 5 * MiB, 0]],
+        limit_mib=201)
     return s
 
 
@@ -115,16 +122,18 @@ def run_ops(torch, sc: dict, streams: list) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.reset_accumulated_memory_stats()
-    filler = None
+    filler = free_left = None
     if sc.get("limit_bytes"):
         if sc.get("physical"):
             import cupy
             free, _ = cupy.cuda.runtime.memGetInfo()
-            filler = cupy.cuda.runtime.malloc(free - sc["limit_bytes"])
+            filler = cupy.cuda.runtime.malloc((free - sc["limit_bytes"]) // (2 * MiB) * (2 * MiB))
+            free_left = cupy.cuda.runtime.memGetInfo()[0]
         else:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(sc["limit_bytes"] / total)
     live, after, peaks, oom_at = {}, [], [], None
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     try:
         for i, op in enumerate(sc["ops"]):
             if op[0] == "a":
@@ -142,6 +151,10 @@ def run_ops(torch, sc: dict, streams: list) -> dict:
         oom_at = i
     peaks.append([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()])
     stats = torch.cuda.memory_stats()
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    segment_addresses = [e["addr"] for e in trace if e["action"] in ("segment_alloc", "segment_map")]
+    alloc_addresses = [e["addr"] for e in trace if e["action"] == "alloc"]
     live.clear()
     torch.cuda.empty_cache()
     if filler is not None:
@@ -150,7 +163,8 @@ def run_ops(torch, sc: dict, streams: list) -> dict:
     if sc.get("limit_bytes") and not sc.get("physical"):
         torch.cuda.set_per_process_memory_fraction(1.0)
     return {**sc, "after": after, "peaks": peaks, "oom_at": oom_at, "num_alloc_retries": stats["num_alloc_retries"],
-            "num_ooms": stats["num_ooms"]}
+            "num_ooms": stats["num_ooms"], "free_left": free_left, "segment_addresses": segment_addresses,
+            "alloc_addresses": alloc_addresses}
 
 
 def worker_scenarios(conf: str, out: str) -> None:
@@ -159,6 +173,8 @@ def worker_scenarios(conf: str, out: str) -> None:
     scs = toy_scenarios() + [{"name": f"fuzz{seed}", "ops": fuzz_ops(seed)} for seed in range(60)]
     res = []
     for sc in scs:
+        if not sc.get("limit_bytes") and conf in CONFIG_LIMITS:
+            sc = {**sc, "limit_bytes": CONFIG_LIMITS[conf], "physical": False}
         try:
             res.append(run_ops(torch, sc, streams))
         except Exception as e:  # noqa: BLE001 - keep going: one broken scenario must not lose the rest

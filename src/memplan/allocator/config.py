@@ -47,13 +47,8 @@ _IGNORED_KEYS = {
     "graph_capture_record_stream_reuse": "bool",
 }
 #: keys torch accepts whose effect is not modelled: refused with the reason
-_REFUSED_KEYS = {
-    "garbage_collection_threshold": "the garbage collector is not modelled (torch runs it only under "
-    "torch.cuda.set_per_process_memory_fraction)",
-    "per_process_memory_fraction": "give the allowed bytes as AllocatorConfig.card_bytes instead",
-}
 _MODELLED_KEYS = ("expandable_segments", "max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
-                  "large_segment_size_mb", "backend")
+                  "large_segment_size_mb", "backend", "garbage_collection_threshold", "per_process_memory_fraction")
 
 
 def _pow2(n: int) -> bool:
@@ -77,6 +72,14 @@ class AllocatorConfig:
     large_segment_size_bytes: int = LARGE_BUFFER_BYTES
     #: bytes the allocator may take from the card: cudaMalloc (or mapping a page) fails past it
     card_bytes: int | None = None
+    #: torch.cuda.set_per_process_memory_fraction(f) (per_process_memory_fraction:f), as f × the card's total
+    #: memory: alloc_block refuses a new segment when reserved + its get_allocation_size would pass it, before
+    #: asking the card (DeviceCachingAllocator::setMemoryFraction, alloc_block)
+    allowed_bytes: int | None = None
+    #: garbage_collection_threshold: with allowed_bytes set, a malloc that finds no cached block first frees the
+    #: oldest whole cached large-pool segments while reserved is above threshold × allowed_bytes
+    #: (garbage_collect_cached_blocks); torch ignores it without a memory fraction
+    garbage_collection_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.large_segment_size_bytes <= MIN_LARGE_ALLOC_BYTES or self.large_segment_size_bytes % MiB:
@@ -93,8 +96,13 @@ class AllocatorConfig:
             if len(table) != ROUNDUP_INTERVALS or any(x != 0 and not _pow2(x) for x in table):
                 raise ValueError(f"roundup_power2_divisions ({d!r}) must be a power of 2 (or 0), or {ROUNDUP_INTERVALS} "
                                  "of them, one per power-of-two interval from 1 MiB (parseRoundUpPower2Divisions)")
-        if self.card_bytes is not None and self.card_bytes <= 0:
-            raise ValueError(f"card_bytes ({self.card_bytes}) must be positive")
+        for name in ("card_bytes", "allowed_bytes"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} ({v}) must be positive")
+        g = self.garbage_collection_threshold
+        if g is not None and not 0.0 < g < 1.0:
+            raise ValueError(f"garbage_collection_threshold ({g}) must be in (0.0, 1.0) (parseGarbageCollectionThreshold)")
 
     @property
     def divisions_table(self) -> tuple[int, ...] | None:
@@ -112,14 +120,23 @@ class AllocatorConfig:
         return self.large_segment_size_bytes if v is None else v
 
     @classmethod
-    def from_alloc_conf(cls, text: str, *, card_bytes: int | None = None) -> AllocatorConfig:
+    def from_alloc_conf(cls, text: str, *, card_bytes: int | None = None,
+                        total_memory_bytes: int | None = None) -> AllocatorConfig:
         """Parse ``PYTORCH_CUDA_ALLOC_CONF`` syntax, e.g. ``"expandable_segments:True,max_split_size_mb:128"``.
 
         Follows ConfigTokenizer and AcceleratorAllocatorConfig::parseArgs / CUDAAllocatorConfig::parseArgs: tokens
         are split at ``, : [ ]``, whitespace is dropped, booleans are exactly ``True``/``False``. Raises ValueError
         naming the key and what is allowed for anything torch rejects or that the simulator does not model.
+        ``total_memory_bytes`` (the card's totalGlobalMem) is needed to read ``per_process_memory_fraction``.
         """
-        return cls(card_bytes=card_bytes, **parse_alloc_conf(text))
+        fields = parse_alloc_conf(text)
+        fraction = fields.pop("per_process_memory_fraction", None)
+        if fraction is not None and fraction < 1.0:
+            if total_memory_bytes is None:
+                raise ValueError("PYTORCH_CUDA_ALLOC_CONF: per_process_memory_fraction needs the card's total memory: "
+                                 "pass total_memory_bytes")
+            fields["allowed_bytes"] = int(fraction * total_memory_bytes)  # setMemoryFraction: size_t(f * total)
+        return cls(card_bytes=card_bytes, **fields)
 
 
 def _tokens(text: str) -> list[str]:
@@ -247,8 +264,16 @@ def parse_alloc_conf(text: str) -> dict:
                 raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: backend:{tok} is not modelled (only backend:native)")
             raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: unknown allocator backend {tok!r}; options are native, "
                              "cudaMallocAsync and hipMallocAsync (CUDAAllocatorConfig::parseAllocatorConfig)")
-        elif key in _REFUSED_KEYS:
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} is not modelled: {_REFUSED_KEYS[key]}")
+        elif key in ("garbage_collection_threshold", "per_process_memory_fraction"):
+            try:
+                v = float(tok)
+            except ValueError:
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} needs a number, got {tok!r}") from None
+            low_open = key == "garbage_collection_threshold"  # (0, 1) for it, [0, 1] for the fraction
+            if not ((0.0 < v < 1.0) if low_open else (0.0 <= v <= 1.0)):
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be in {'(0.0, 1.0)' if low_open else '[0, 1]'}, "
+                                 f"got {v}")
+            fields[key] = v
         elif key in _IGNORED_KEYS:
             kind = _IGNORED_KEYS[key]
             if kind == "bool":
@@ -258,7 +283,7 @@ def parse_alloc_conf(text: str) -> dict:
             elif kind == "int":
                 _int(key, tok)
         else:
-            allowed = ", ".join(sorted((*_MODELLED_KEYS, *_IGNORED_KEYS, *_REFUSED_KEYS)))
+            allowed = ", ".join(sorted((*_MODELLED_KEYS, *_IGNORED_KEYS)))
             raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: unrecognized key {key!r}; torch accepts {allowed} "
                              "(CUDAAllocatorConfig::parseArgs)")
     return fields

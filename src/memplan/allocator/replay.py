@@ -35,7 +35,8 @@ COMPONENT_RULES = (
     ("deepspeed/runtime/zero/partition_parameters.py, partitioned_param_coordinator.py", "params_gathered"),
     ("deepspeed/runtime/zero/*, function named *reduce*, *bucket*, *ipg*, *average*", "grad_bucket"),
     ("deepspeed/runtime/zero/*, function named *grad*", "gradients"),
-    ("a path with 'optimizer', deepspeed/ops/adam, deepspeed/runtime/fp16, bf16_optimizer.py", "optimizer_states"),
+    ("a path with 'optimizer', deepspeed/ops/adam, deepspeed/runtime/fp16, or a stack through torch/optim",
+     "optimizer_states"),
     ("other deepspeed/runtime/zero/*", "zero_buffers"),
     ("other deepspeed/*", "deepspeed_other"),
     ("transformers/*, modeling_*.py", "activations"),
@@ -47,6 +48,8 @@ def classify_frame(label: str) -> str:
     """The ledger component of an allocation whose frame label is ``label`` (see COMPONENT_RULES)."""
     if not label:
         return "autograd"
+    if label.endswith(" [torch.optim]"):
+        return "optimizer_states"
     path, _, func = label.split(" < ")[0].rpartition(":")
     if func == MARKER_FUNCTION:
         return "marker"

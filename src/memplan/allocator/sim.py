@@ -5,8 +5,7 @@ modelled. The state is torch's: per (pool, stream) a set of free blocks ordered 
 BlockComparatorSize order (``BlockPool::blocks``), kept here as a sorted list of integer keys
 ``size * KEY_SPAN + address`` searched with bisect; blocks are doubly linked inside their segment (``Block::prev``
 / ``next``) so a free merges with free neighbours of the same segment only (``try_merge_blocks``). Addresses are
-simulated: each cudaMalloc takes the next 2 MiB-aligned range, so among equal-sized cached blocks the one from
-the older segment wins the tie, as it does when the driver hands out rising addresses.
+simulated (see _LARGE_TOP), or taken from a real trace (``simulate(..., segment_addresses=...)``).
 
 Speed: the common case (a cached block fits) runs inline in ``_Replay._span``; a new segment, expandable-segment
 mapping, the OOM path and empty_cache run in the methods below it.
@@ -38,13 +37,21 @@ _ADDR_ALIGN = 2 << 20
 #: tail never runs out
 _EXPANDABLE_VA_BYTES = 1 << 40
 
+#: where simulated large-pool addresses start, going down. The driver's order matters only where
+#: BlockComparatorSize breaks a tie between equal-sized cached blocks by address. On an H200 (driver 580, torch
+#: 2.11, benchmarks/allocator/gpu) cudaMalloc handed out large segments mostly downwards and 2 MiB ones mostly
+#: upwards; modelling that (newer large segments lower, newer small ones higher) made a 1.1B Llama's replay exact
+#: and halved the mismatches of the seeded random op sequences. It stays a heuristic: the driver's VA heap is
+#: not modelled (see docs/allocator.md).
+_LARGE_TOP = 1 << 51
+
 ALLOCATED, FREE, UNMAPPED = 0, 1, 2  # Block state: in use; cached (in BlockPool::blocks); BlockPool::unmapped
 
 
 class _Block:
     """Block: a piece of one segment. ``state`` is ALLOCATED, FREE or UNMAPPED (expandable segments only)."""
 
-    __slots__ = ("addr", "es", "fl", "key", "next", "prev", "req", "size", "state")
+    __slots__ = ("addr", "es", "fl", "gcb", "key", "next", "prev", "req", "size", "state")
 
     def __init__(self, addr: int, size: int, state: int, fl: _FreeList, es: _ExpSeg | None) -> None:
         self.addr = addr
@@ -56,22 +63,26 @@ class _Block:
         self.key = 0
         self.es = es
         self.req = 0  # the rounded request while allocated
+        self.gcb = 0  # gc_count_base: the pool's get_free_block count when the block was cached
 
 
 class _FreeList:
     """BlockPool restricted to one stream: the cached blocks (keys/blocks, same order) and the unmapped ones."""
 
-    __slots__ = ("blocks", "keys", "small", "stream", "ublocks", "ukeys")
+    __slots__ = ("blocks", "gc_calls", "keys", "small", "stream", "ublocks", "ukeys")
 
-    def __init__(self, small: bool, stream: int) -> None:
+    def __init__(self, small: bool, stream: int, gc_calls: list[int]) -> None:
         self.small = small
         self.stream = stream
+        self.gc_calls = gc_calls  # BlockPool::get_free_blocks_call_count of [large, small], shared by all streams
         self.keys: list[int] = []
         self.blocks: list[_Block] = []
         self.ukeys: list[int] = []  # BlockPool::unmapped, ordered by address (BlockComparatorAddress)
         self.ublocks: list[_Block] = []
 
     def insert(self, b: _Block) -> None:
+        """BlockPool::insert_into_blocks (which also stamps gc_count_base)."""
+        b.gcb = self.gc_calls[self.small]
         key = b.key = b.size * KEY_SPAN + b.addr
         k = bisect_left(self.keys, key)
         self.keys.insert(k, key)
@@ -145,8 +156,9 @@ def allocation_size(size: int, config: AllocatorConfig) -> int:
 class _Replay:
     """DeviceCachingAllocator's state during one replay of a ledger."""
 
-    def __init__(self, ledger, config: AllocatorConfig) -> None:
+    def __init__(self, ledger, config: AllocatorConfig, segment_addresses=None) -> None:
         self.cfg = config
+        self.addresses = iter(segment_addresses or ())
         self.events = ledger.events
         self.sizes = ledger.sizes
         self.streams = ledger.streams
@@ -155,9 +167,14 @@ class _Replay:
         self.nsr = config.non_split_rounding_bytes
         self.table = config.divisions_table
         self.card = config.card_bytes
+        self.allowed = config.allowed_bytes
+        g = config.garbage_collection_threshold
+        self.gc = g if g and self.allowed is not None else None  # garbage collection acts only under a fraction
+        self.gc_calls = [0, 0]
         self.fls: dict[int, _FreeList] = {}
         self.live: dict[int, _Block] = {}
         self.next_addr = _ADDR_BASE
+        self.next_large = _LARGE_TOP
         self.free_bases: list[int] = []  # virtual ranges of released expandable segments, reused first
         # counters (DeviceStats)
         self.allocated = self.rounded = self.reserved = 0
@@ -177,7 +194,7 @@ class _Replay:
     def _span(self, start: int, stop: int) -> None:
         """Replay events[start:stop]; a cached block that fits is found inline, anything else goes to _malloc."""
         events, sizes, streams, live, fls = self.events, self.sizes, self.streams, self.live, self.fls
-        exp, msplit, nsr, table, cfg = self.exp, self.msplit, self.nsr, self.table, self.cfg
+        exp, msplit, nsr, table, cfg, gc, gc_calls = self.exp, self.msplit, self.nsr, self.table, self.cfg, self.gc, self.gc_calls
         no_split_cap = msplit if msplit is not None else 1 << 62
         allocated, rounded, unsplit = self.allocated, self.rounded, self.unsplit_free
         p_alloc, p_round, g_alloc, g_round, g_alloc_at = self.p_alloc, self.p_round, self.g_alloc, self.g_round, self.g_alloc_at
@@ -191,6 +208,8 @@ class _Replay:
                 small = size <= SMALL_SIZE_BYTES
                 fl = fls.get(streams[ev] * 2 + small)
                 blk = None
+                if gc is not None:
+                    gc_calls[small] += 1  # get_free_block: ++pool.get_free_blocks_call_count
                 if fl is not None:
                     keys = fl.keys
                     j = bisect_left(keys, size * KEY_SPAN)  # get_free_block: pool.blocks.lower_bound
@@ -237,6 +256,8 @@ class _Replay:
                     k = bisect_left(fl.keys, key)
                     fl.keys.insert(k, key)
                     fl.blocks.insert(k, blk)
+                    if gc is not None:
+                        blk.gcb = gc_calls[small]
                     blk = nb
                 else:
                     blk.state = 0
@@ -287,6 +308,8 @@ class _Replay:
                 k = bisect_left(keys, key)
                 keys.insert(k, key)
                 blocks.insert(k, blk)
+                if gc is not None:
+                    blk.gcb = gc_calls[fl.small]
                 if p is None and q is None:
                     unsplit += blk.size
         self.allocated, self.rounded, self.unsplit_free = allocated, rounded, unsplit
@@ -297,10 +320,12 @@ class _Replay:
         key = stream * 2 + small
         fl = self.fls.get(key)
         if fl is None:
-            fl = self.fls[key] = _FreeList(small, stream)
+            fl = self.fls[key] = _FreeList(small, stream, self.gc_calls)
         blk = self._get_free_block(fl, size)
         if blk is not None:
             return blk
+        if self.gc is not None:
+            self._garbage_collect_cached_blocks()
         alloc = allocation_size(size, self.cfg)
         blk = self._alloc_block(fl, size, alloc)
         if blk is None and self.msplit is not None and self._release_available_cached_blocks(fl, size):
@@ -356,15 +381,49 @@ class _Replay:
 
     def _alloc_block(self, fl: _FreeList, size: int, alloc: int) -> _Block | None:
         """alloc_block: cudaMalloc a new segment, or map pages of the stream's expandable segment."""
+        if self.allowed is not None and self.reserved + alloc > self.allowed:
+            return None  # past the per-process memory fraction (checked with get_allocation_size even when expandable)
         if self.exp:
             return self._try_allocate_expandable_block(fl, size)
         if self.card is not None and self.reserved + alloc > self.card:
             return None  # cudaMalloc fails: cudaErrorMemoryAllocation
-        addr = self.next_addr
-        self.next_addr += -(-alloc // _ADDR_ALIGN) * _ADDR_ALIGN
+        addr = next(self.addresses, None)
+        if addr is None:
+            span = -(-alloc // _ADDR_ALIGN) * _ADDR_ALIGN
+            if fl.small:
+                addr = self.next_addr
+                self.next_addr += span
+            else:
+                addr = self.next_large = self.next_large - span
         self.segments += 1
         self._grow(alloc)
         return _Block(addr, alloc, ALLOCATED, fl, None)
+
+    def _garbage_collect_cached_blocks(self) -> None:
+        """garbage_collect_cached_blocks: while reserved is above threshold × allowed, cudaFree whole cached
+        large-pool segments at least as old (in get_free_block calls) as the average, oldest rounds first."""
+        threshold = int(self.gc * self.allowed)
+        if self.reserved <= threshold:
+            return
+        target = self.reserved - threshold
+        now = self.gc_calls[0]
+        cached = [b for st, fl in sorted(self.fls.items()) if not fl.small for b in fl.blocks]
+        whole = [b for b in cached if b.prev is None and b.next is None]
+        total_age, count = sum(now - b.gcb for b in whole), len(whole)
+        if count == 0:
+            return
+        reclaimed, freed = 0, True
+        while reclaimed < target and freed and count > 0:
+            threshold_age = total_age / count
+            freed = False
+            for b in list(whole):
+                if b.es is None and now - b.gcb >= threshold_age:
+                    freed = True
+                    reclaimed += b.size
+                    total_age -= now - b.gcb
+                    count -= 1
+                    whole.remove(b)
+                    self._release_block(b)
 
     def _release_available_cached_blocks(self, fl: _FreeList, size: int) -> bool:
         """release_available_cached_blocks: cudaFree oversize cached blocks of this stream, just enough for ``size``."""
@@ -571,15 +630,19 @@ def _as_config(config: AllocatorConfig | None) -> AllocatorConfig:
     return AllocatorConfig() if config is None else config
 
 
-def simulate(ledger, config: AllocatorConfig | None = None) -> SimResult:
+def simulate(ledger, config: AllocatorConfig | None = None, *, segment_addresses=None) -> SimResult:
     """Replay ``ledger`` (a memplan.ledger.Ledger) through the caching allocator; see SimResult.
 
     Events are ``ledger.events`` (tensor id to allocate, ``~id`` to free) with ``ledger.sizes`` and
     ``ledger.streams``; a mark of kind "phase" resets the phase peaks (torch.cuda.reset_peak_memory_stats), one
     of kind "empty_cache" runs torch.cuda.empty_cache() before the event at ``mark.at``. The replay stops at an
     out-of-memory event (``SimResult.oom``) when ``config.card_bytes`` is set.
+
+    ``segment_addresses``: the addresses cudaMalloc returned, in order, on a real run (trace.segment_addresses):
+    successive new segments take them, so ties between equal-sized cached blocks (BlockComparatorSize orders
+    them by address) break as they did on the GPU. Without them, each segment takes the next address up.
     """
-    return _Replay(ledger, _as_config(config)).run(ledger)
+    return _Replay(ledger, _as_config(config), segment_addresses).run(ledger)
 
 
 def replay_series(ledger, config: AllocatorConfig | None = None) -> tuple[SimResult, list[tuple[int, int]]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import tempfile
 from bisect import bisect_right, insort
 
@@ -50,29 +51,48 @@ MARKER_FUNCTION = "memplan_phase_marker"
 
 
 # -- frames ------------------------------------------------------------------------------------------------------
+def _package_path(filename: str) -> str | None:
+    """The path below site-packages/dist-packages, or None for a file outside them."""
+    f = filename.replace("\\", "/")
+    for root in ("site-packages/", "dist-packages/"):
+        k = f.rfind(root)
+        if k >= 0:
+            return f[k + len(root):]
+    return None
+
+
 def _is_torch(filename: str) -> bool:
+    """A frame of torch's own package: torch/... below site-packages, or a torch/ folder of a source checkout."""
+    rel = _package_path(filename)
+    if rel is not None:
+        return rel.startswith("torch/")
     f = filename.replace("\\", "/")
     return "/torch/" in f or f.startswith("torch/")
+
+
+_STDLIB = re.compile(r"/lib/python3\.\d+/[^/]+\.py$")
+
+
+def _skipped(filename: str) -> bool:
+    """Frames no allocation is attributed to: torch's, the standard library's (contextlib's decorator wrapper),
+    and C++ frames (``stacks="all"``)."""
+    return not filename.endswith(".py") or _is_torch(filename) or bool(_STDLIB.search(filename.replace("\\", "/")))
 
 
 def short_frame(frame: dict) -> str:
     """``package/path/file.py:function``: the path from the site-packages root (or the last three parts)."""
     f = str(frame.get("filename", "?")).replace("\\", "/")
-    for root in ("site-packages/", "dist-packages/"):
-        k = f.rfind(root)
-        if k >= 0:
-            f = f[k + len(root):]
-            break
-    else:
+    rel = _package_path(f)
+    if rel is None:
         k = f.rfind("/memplan/")
-        f = f[k + 1:] if k >= 0 else "/".join(f.split("/")[-3:])
-    return f"{f}:{frame.get('name', '?')}"
+        rel = f[k + 1:] if k >= 0 else "/".join(f.split("/")[-3:])
+    return f"{rel}:{frame.get('name', '?')}"
 
 
 def frame_label(frames: list[dict] | None, keep_frames: int = 1) -> str:
     """The innermost ``keep_frames`` Python frames outside torch's own package, innermost first, joined by " < ".
 
-    C++ frames (``stacks="all"``) and frames inside torch are skipped; a phase marker's frame wins, so
+    C++ frames (``stacks="all"``), frames inside torch and the standard library's are skipped; a phase marker's frame wins, so
     ledger_from_trace can find it. "" when no frame qualifies (the C++ autograd engine's thread has no Python
     stack: most backward-pass allocations)."""
     if not frames or keep_frames <= 0:
@@ -80,9 +100,11 @@ def frame_label(frames: list[dict] | None, keep_frames: int = 1) -> str:
     for fr in frames:
         if fr.get("name") == MARKER_FUNCTION:
             return short_frame(fr)
-    picked = [short_frame(fr) for fr in frames
-              if str(fr.get("filename", "")).endswith(".py") and not _is_torch(str(fr.get("filename", "")))]
-    return " < ".join(picked[:keep_frames])
+    picked = [short_frame(fr) for fr in frames if not _skipped(str(fr.get("filename", "")))]
+    label = " < ".join(picked[:keep_frames])
+    if any("torch/optim/" in str(fr.get("filename", "")).replace("\\", "/") for fr in frames):
+        label += " [torch.optim]"  # a torch optimizer's step: its states are allocated under the caller's frame
+    return label
 
 
 def _from_empty_cache(frames: list[dict] | None) -> bool:
