@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from memplan.ledger import EMPTY_CACHE, Ledger
 
-from .config import SMALL_SIZE_BYTES, AllocatorConfig
+from .config import SMALL_SIZE_BYTES, AllocatorConfig, parse_alloc_conf
 from .sim import round_size
 from .trace import (
     ALLOC,
@@ -148,15 +148,31 @@ class _GBlock:
         self.next: _GBlock | None = None
 
 
-def settings_config(settings: dict) -> AllocatorConfig:
-    """The AllocatorConfig a snapshot's ``allocator_settings`` describe (memory_snapshot.cpp writes max_split_size
-    as SIZE_MAX when unset, and roundup_power2_divisions as 16 values keyed "1", "2", "4", … MiB)."""
+def settings_config(settings: dict, **fields) -> AllocatorConfig:
+    """The AllocatorConfig a snapshot's ``allocator_settings`` describe: its PYTORCH_CUDA_ALLOC_CONF string when
+    that parses (it also carries large_segment_size_mb, which the settings lack), overridden by the settings'
+    own values (memory_snapshot.cpp writes max_split_size as -1 when unset, roundup_power2_divisions as 16 values
+    keyed "1", "2", "4", … MiB). ``fields`` (card_bytes, …) are passed on."""
+    base: dict = {}
+    try:
+        base = parse_alloc_conf(str(settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""))
+    except ValueError:
+        pass
+    base.pop("per_process_memory_fraction", None)
     ms = int(settings.get("max_split_size", -1) or -1)
     rp = settings.get("roundup_power2_divisions") or {}
     table = tuple(int(rp[k]) for k in sorted(rp, key=int)) if isinstance(rp, dict) else None
-    return AllocatorConfig(expandable_segments=bool(settings.get("expandable_segments", False)),
-                           max_split_size_bytes=ms if 0 < ms < 2**62 else None,
-                           roundup_power2_divisions=table if table and len(table) == 16 and any(table) else None)
+    base.update(expandable_segments=bool(settings.get("expandable_segments", False)),
+                max_split_size_bytes=ms if 0 < ms < 2**62 else None,
+                roundup_power2_divisions=table if table and len(table) == 16 and any(table) else None)
+    base.update(fields)
+    return AllocatorConfig(**base)
+
+
+def segment_addresses(trace: dict) -> list[int]:
+    """The addresses of the trace's cudaMalloc'd segments in order: simulate(..., segment_addresses=...) then
+    breaks ties between equal-sized cached blocks as the GPU did."""
+    return [ad for a, ad in zip(trace["action"], trace["addr"]) if a == SEGMENT_ALLOC]
 
 
 def measured_reserved(trace: dict, *, phases: list[str] | None = None, allow_incomplete: bool = False) -> dict:

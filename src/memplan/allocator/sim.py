@@ -645,10 +645,11 @@ def simulate(ledger, config: AllocatorConfig | None = None, *, segment_addresses
     return _Replay(ledger, _as_config(config), segment_addresses).run(ledger)
 
 
-def replay_series(ledger, config: AllocatorConfig | None = None) -> tuple[SimResult, list[tuple[int, int]]]:
+def replay_series(ledger, config: AllocatorConfig | None = None, *,
+                  segment_addresses=None) -> tuple[SimResult, list[tuple[int, int]]]:
     """``simulate``, plus (allocated, reserved) after every replayed event (slower: for tests and timelines)."""
     series: list[tuple[int, int]] = []
-    result = _Replay(ledger, _as_config(config)).run(ledger, per_event=series)
+    result = _Replay(ledger, _as_config(config), segment_addresses).run(ledger, per_event=series)
     return result, series
 
 

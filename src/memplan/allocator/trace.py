@@ -254,7 +254,17 @@ def read_trace(path) -> dict:
     return data
 
 
-from .replay import classify_frame, ledger_from_trace, measured_reserved
+_FROM_REPLAY = ("classify_frame", "ledger_from_trace", "measured_reserved", "segment_addresses", "settings_config")
 
-__all__ = ["ACTIONS", "FORMAT", "MARKER_FUNCTION", "VERSION", "check_integrity", "classify_frame", "compact_trace",
-           "frame_label", "ledger_from_trace", "measured_reserved", "read_trace", "short_frame", "write_trace"]
+
+def __getattr__(name: str):
+    """ledger_from_trace, measured_reserved … live in memplan.allocator.replay (which imports this module)."""
+    if name in _FROM_REPLAY:
+        from . import replay
+
+        return getattr(replay, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ACTIONS", "FORMAT", "MARKER_FUNCTION", "VERSION", "check_integrity", "compact_trace", "frame_label",
+           "read_trace", "short_frame", "write_trace"]  # and, through __getattr__, the names of _FROM_REPLAY
