@@ -171,6 +171,7 @@ class _Replay:
         g = config.garbage_collection_threshold
         self.gc = g if g and self.allowed is not None else None  # garbage collection acts only under a fraction
         self.gc_calls = [0, 0]
+        self.round_cache: dict[int, int] = {}  # request -> round_size, when roundup_power2_divisions is set
         self.fls: dict[int, _FreeList] = {}
         self.live: dict[int, _Block] = {}
         self.next_addr = _ADDR_BASE
@@ -196,6 +197,7 @@ class _Replay:
         events, sizes, streams, live, fls = self.events, self.sizes, self.streams, self.live, self.fls
         exp, msplit, nsr, table, cfg, gc, gc_calls = self.exp, self.msplit, self.nsr, self.table, self.cfg, self.gc, self.gc_calls
         no_split_cap = msplit if msplit is not None else 1 << 62
+        rcache = self.round_cache
         allocated, rounded, unsplit = self.allocated, self.rounded, self.unsplit_free
         p_alloc, p_round, g_alloc, g_round, g_alloc_at = self.p_alloc, self.p_round, self.g_alloc, self.g_round, self.g_alloc_at
         for i in range(start, stop):
@@ -204,7 +206,10 @@ class _Replay:
                 n = sizes[ev]
                 if n <= 0:
                     continue  # NativeCachingAllocator::allocate does not call malloc for 0 bytes
-                size = (n + 511) & -512 if table is None else round_size(n, cfg)
+                if table is None:
+                    size = (n + 511) & -512
+                else:
+                    size = rcache.get(n) or rcache.setdefault(n, round_size(n, cfg))
                 small = size <= SMALL_SIZE_BYTES
                 fl = fls.get(streams[ev] * 2 + small)
                 blk = None
