@@ -1,11 +1,10 @@
 """A replay of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, DeviceCachingAllocator).
 
 Every rule below names the torch function it models; docs/allocator.md names the version read and what is not
-modelled. The state is torch's: per (pool, stream) a set of free blocks ordered by (size, address), the
-BlockComparatorSize order (``BlockPool::blocks``), kept here as a sorted list of integer keys
-``size * KEY_SPAN + address`` searched with bisect; blocks are doubly linked inside their segment (``Block::prev``
-/ ``next``) so a free merges with free neighbours of the same segment only (``try_merge_blocks``). Addresses are
-simulated (see _LARGE_TOP), or taken from a real trace (``simulate(..., segment_addresses=...)``).
+modelled. The state is torch's (memplan.allocator.blocks:
+blocks linked inside their segments, free lists per pool and stream in BlockComparatorSize order); expandable
+segments are in memplan.allocator.expandable. Addresses are simulated (blocks.LARGE_TOP), or taken from a real
+trace (``simulate(..., segment_addresses=...)``).
 
 Speed: the common case (a cached block fits) runs inline in ``_Replay._span``; a new segment, expandable-segment
 mapping, the OOM path and empty_cache run in the methods below it.
@@ -15,103 +14,23 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from .config import (
-    MIN_BLOCK_BYTES,
-    MIN_LARGE_ALLOC_BYTES,
-    ROUND_LARGE_BYTES,
-    ROUNDUP_FIRST_LOG2,
-    ROUNDUP_INTERVALS,
-    SMALL_BUFFER_BYTES,
-    SMALL_SIZE_BYTES,
-    AllocatorConfig,
+from .blocks import (
+    ADDR_ALIGN,
+    ADDR_BASE,
+    ALLOCATED,
+    KEY_SPAN,
+    LARGE_TOP,
+    UNMAPPED,
+    Block,
+    FreeList,
+    allocation_size,
+    round_size,
 )
+from .config import MIN_BLOCK_BYTES, SMALL_SIZE_BYTES, AllocatorConfig
+from .expandable import ExpandableSegments
 from .result import OomInfo, PhasePeak, SimResult
 
-#: free-list keys are size * KEY_SPAN + address, so simulated addresses stay below 2**52 (4 PiB)
-KEY_SPAN = 1 << 52
-#: where simulated cudaMalloc addresses start, and their alignment (the driver aligns large allocations to 2 MiB)
-_ADDR_BASE = 1 << 32
-_ADDR_ALIGN = 2 << 20
-#: virtual address space reserved per expandable segment. ExpandableSegment reserves 1 1/8 of the card's memory
-#: (ExpandableSegment constructor, cuMemAddressReserve); 1 TiB stands for "more than any card", so the unmapped
-#: tail never runs out
-_EXPANDABLE_VA_BYTES = 1 << 40
-
-#: where simulated large-pool addresses start, going down. The driver's order matters only where
-#: BlockComparatorSize breaks a tie between equal-sized cached blocks by address. On an H200 (driver 580, torch
-#: 2.11, benchmarks/allocator/gpu) cudaMalloc handed out large segments mostly downwards and 2 MiB ones mostly
-#: upwards; modelling that (newer large segments lower, newer small ones higher) made a 1.1B Llama's replay exact
-#: and halved the mismatches of the seeded random op sequences. It stays a heuristic: the driver's VA heap is
-#: not modelled (see docs/allocator.md).
-_LARGE_TOP = 1 << 51
-
-ALLOCATED, FREE, UNMAPPED = 0, 1, 2  # Block state: in use; cached (in BlockPool::blocks); BlockPool::unmapped
-
-
-class _Block:
-    """Block: a piece of one segment. ``state`` is ALLOCATED, FREE or UNMAPPED (expandable segments only)."""
-
-    __slots__ = ("addr", "es", "fl", "gcb", "key", "next", "prev", "req", "size", "state")
-
-    def __init__(self, addr: int, size: int, state: int, fl: _FreeList, es: _ExpSeg | None) -> None:
-        self.addr = addr
-        self.size = size
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-        self.state = state
-        self.fl = fl
-        self.key = 0
-        self.es = es
-        self.req = 0  # the rounded request while allocated
-        self.gcb = 0  # gc_count_base: the pool's get_free_block count when the block was cached
-
-
-class _FreeList:
-    """BlockPool restricted to one stream: the cached blocks (keys/blocks, same order) and the unmapped ones."""
-
-    __slots__ = ("blocks", "gc_calls", "keys", "small", "stream", "ublocks", "ukeys")
-
-    def __init__(self, small: bool, stream: int, gc_calls: list[int]) -> None:
-        self.small = small
-        self.stream = stream
-        self.gc_calls = gc_calls  # BlockPool::get_free_blocks_call_count of [large, small], shared by all streams
-        self.keys: list[int] = []
-        self.blocks: list[_Block] = []
-        self.ukeys: list[int] = []  # BlockPool::unmapped, ordered by address (BlockComparatorAddress)
-        self.ublocks: list[_Block] = []
-
-    def insert(self, b: _Block) -> None:
-        """BlockPool::insert_into_blocks (which also stamps gc_count_base)."""
-        b.gcb = self.gc_calls[self.small]
-        key = b.key = b.size * KEY_SPAN + b.addr
-        k = bisect_left(self.keys, key)
-        self.keys.insert(k, key)
-        self.blocks.insert(k, b)
-
-    def remove(self, b: _Block) -> None:
-        k = bisect_left(self.keys, b.key)
-        del self.keys[k]
-        del self.blocks[k]
-
-    def insert_unmapped(self, b: _Block) -> None:
-        k = bisect_left(self.ukeys, b.addr)
-        self.ukeys.insert(k, b.addr)
-        self.ublocks.insert(k, b)
-
-    def remove_unmapped(self, b: _Block) -> None:
-        k = bisect_left(self.ukeys, b.addr)
-        del self.ukeys[k]
-        del self.ublocks[k]
-
-
-class _ExpSeg:
-    """ExpandableSegment: a reserved virtual range, mapped in pages of ``page`` bytes (its segment_size_)."""
-
-    __slots__ = ("base", "page")
-
-    def __init__(self, base: int, page: int) -> None:
-        self.base = base
-        self.page = page
+__all__ = ["allocation_size", "ledger_from_events", "replay_series", "round_size", "simulate", "simulate_events"]
 
 
 class _Oom(Exception):
@@ -119,41 +38,7 @@ class _Oom(Exception):
         self.alloc_bytes = alloc_bytes
 
 
-def _round_power2_divisions(size: int, divisions: int) -> int:
-    """roundup_power2_next_division: round up to the next of ``divisions`` equal steps between powers of two."""
-    if size & (size - 1) == 0:
-        return size
-    floor2 = 1 << (size.bit_length() - 1)
-    step = floor2 >> (divisions.bit_length() - 1)
-    if step == 0:
-        return floor2 << 1
-    low = size & ~(step - 1)
-    return size if low == size else low + step
-
-
-def round_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
-    """round_size: the block size a request of ``nbytes`` asks for (512-byte multiples, or power-of-2 divisions)."""
-    if nbytes < MIN_BLOCK_BYTES:
-        return MIN_BLOCK_BYTES
-    table = config.divisions_table if config is not None else None
-    if table is not None:
-        index = min(max(nbytes.bit_length() - 1 - ROUNDUP_FIRST_LOG2, 0), ROUNDUP_INTERVALS - 1)
-        d = table[index]
-        if d > 1 and nbytes > MIN_BLOCK_BYTES * d:
-            return _round_power2_divisions(nbytes, d)
-    return -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
-
-
-def allocation_size(size: int, config: AllocatorConfig) -> int:
-    """get_allocation_size: the segment cudaMalloc'd for a rounded request that no cached block fits."""
-    if size <= SMALL_SIZE_BYTES:
-        return SMALL_BUFFER_BYTES
-    if size < MIN_LARGE_ALLOC_BYTES:
-        return config.large_segment_size_bytes
-    return -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
-
-
-class _Replay:
+class _Replay(ExpandableSegments):
     """DeviceCachingAllocator's state during one replay of a ledger."""
 
     def __init__(self, ledger, config: AllocatorConfig, segment_addresses=None) -> None:
@@ -172,10 +57,10 @@ class _Replay:
         self.gc = g if g and self.allowed is not None else None  # garbage collection acts only under a fraction
         self.gc_calls = [0, 0]
         self.round_cache: dict[int, int] = {}  # request -> round_size, when roundup_power2_divisions is set
-        self.fls: dict[int, _FreeList] = {}
-        self.live: dict[int, _Block] = {}
-        self.next_addr = _ADDR_BASE
-        self.next_large = _LARGE_TOP
+        self.fls: dict[int, FreeList] = {}
+        self.live: dict[int, Block] = {}
+        self.next_addr = ADDR_BASE
+        self.next_large = LARGE_TOP
         self.free_bases: list[int] = []  # virtual ranges of released expandable segments, reused first
         # counters (DeviceStats)
         self.allocated = self.rounded = self.reserved = 0
@@ -247,7 +132,7 @@ class _Replay:
                 # alloc_found_block, with should_split's rule
                 rem = blk.size - size
                 if (rem >= MIN_BLOCK_BYTES) if (small or exp) else (size < no_split_cap and rem > SMALL_SIZE_BYTES):
-                    nb = _Block(blk.addr, size, 0, fl, blk.es)
+                    nb = Block(blk.addr, size, 0, fl, blk.es)
                     p = blk.prev
                     nb.prev = p
                     if p is not None:
@@ -321,11 +206,11 @@ class _Replay:
         self.p_alloc, self.p_round, self.g_alloc, self.g_round, self.g_alloc_at = p_alloc, p_round, g_alloc, g_round, g_alloc_at
 
     # -- DeviceCachingAllocator::malloc when no cached block was taken inline --------------------------------------
-    def _malloc(self, size: int, small: bool, stream: int) -> _Block:
+    def _malloc(self, size: int, small: bool, stream: int) -> Block:
         key = stream * 2 + small
         fl = self.fls.get(key)
         if fl is None:
-            fl = self.fls[key] = _FreeList(small, stream, self.gc_calls)
+            fl = self.fls[key] = FreeList(small, stream, self.gc_calls)
         blk = self._get_free_block(fl, size)
         if blk is not None:
             return blk
@@ -343,14 +228,14 @@ class _Replay:
             raise _Oom(alloc)
         return blk
 
-    def _get_free_block(self, fl: _FreeList, size: int) -> _Block | None:
+    def _get_free_block(self, fl: FreeList, size: int) -> Block | None:
         """get_free_block: best fit by (size, address), the expandable-size walk, the oversize rules."""
         keys, blocks = fl.keys, fl.blocks
         j = bisect_left(keys, size * KEY_SPAN)
         if j == len(keys):
             return None
         if self.exp and blocks[j].es is not None:
-            def xs(b: _Block) -> int:
+            def xs(b: Block) -> int:
                 return b.size + (b.next.size if b.next is not None and b.next.state == UNMAPPED else 0)
             while j + 1 < len(blocks) and xs(blocks[j + 1]) < xs(blocks[j]):
                 j += 1
@@ -384,7 +269,7 @@ class _Replay:
         self.inactive = self.frag - self.unsplit_free
         self.seg_at_peak = self.segments
 
-    def _alloc_block(self, fl: _FreeList, size: int, alloc: int) -> _Block | None:
+    def _alloc_block(self, fl: FreeList, size: int, alloc: int) -> Block | None:
         """alloc_block: cudaMalloc a new segment, or map pages of the stream's expandable segment."""
         if self.allowed is not None and self.reserved + alloc > self.allowed:
             return None  # past the per-process memory fraction (checked with get_allocation_size even when expandable)
@@ -394,7 +279,7 @@ class _Replay:
             return None  # cudaMalloc fails: cudaErrorMemoryAllocation
         addr = next(self.addresses, None)
         if addr is None:
-            span = -(-alloc // _ADDR_ALIGN) * _ADDR_ALIGN
+            span = -(-alloc // ADDR_ALIGN) * ADDR_ALIGN
             if fl.small:
                 addr = self.next_addr
                 self.next_addr += span
@@ -402,7 +287,7 @@ class _Replay:
                 addr = self.next_large = self.next_large - span
         self.segments += 1
         self._grow(alloc)
-        return _Block(addr, alloc, ALLOCATED, fl, None)
+        return Block(addr, alloc, ALLOCATED, fl, None)
 
     def _garbage_collect_cached_blocks(self) -> None:
         """garbage_collect_cached_blocks: while reserved is above threshold × allowed, cudaFree whole cached
@@ -430,7 +315,7 @@ class _Replay:
                     whole.remove(b)
                     self._release_block(b)
 
-    def _release_available_cached_blocks(self, fl: _FreeList, size: int) -> bool:
+    def _release_available_cached_blocks(self, fl: FreeList, size: int) -> bool:
         """release_available_cached_blocks: cudaFree oversize cached blocks of this stream, just enough for ``size``."""
         m = self.msplit
         want = max(size, m)
@@ -469,7 +354,7 @@ class _Replay:
                         self.segments -= 1
                         self.free_bases.append(b.es.base)
 
-    def _release_block(self, b: _Block) -> None:
+    def _release_block(self, b: Block) -> None:
         """release_block: cudaFree a cached block that is a whole segment."""
         b.fl.remove(b)
         self.unsplit_free -= b.size
@@ -477,116 +362,7 @@ class _Replay:
         self._shrink(b.size)
 
     # -- expandable segments -------------------------------------------------------------------------------
-    def _try_allocate_expandable_block(self, fl: _FreeList, size: int) -> _Block | None:
-        """try_allocate_expandable_block: find address room (find_expandable_block), map pages until it fits."""
-        c = self._find_expandable_block(fl, size)
-        if c.state == UNMAPPED and not self._map_block(c, min(c.size, size)):
-            return None
-        while c.size < size:
-            nc = c.next  # invariant: free -> unmapped -> ...
-            if not self._map_block(nc, min(size - c.size, nc.size)):
-                return None
-            c = nc
-        fl.remove(c)
-        return c
 
-    def _find_expandable_block(self, fl: _FreeList, size: int) -> _Block:
-        """find_expandable_block: the lowest-addressed unmapped range (with the free block before it) with room."""
-        for c in fl.ublocks:
-            if c.prev is not None and c.prev.state == FREE:
-                c = c.prev
-            room, b = 0, c
-            while room < size and b is not None and b.state != ALLOCATED:
-                room += b.size
-                b = b.next
-            if room >= size:
-                return c
-        page = SMALL_BUFFER_BYTES if fl.small else self.cfg.large_segment_size_bytes
-        if self.free_bases:
-            base = self.free_bases.pop()
-        else:
-            base = self.next_addr
-            self.next_addr += _EXPANDABLE_VA_BYTES
-        c = _Block(base, _EXPANDABLE_VA_BYTES, UNMAPPED, fl, _ExpSeg(base, page))
-        fl.insert_unmapped(c)
-        self.segments += 1
-        return c
-
-    def _map_block(self, b: _Block, size: int) -> bool:
-        """map_block: map the pages covering [b.addr, b.addr + size); split off the rest; merge with free neighbours."""
-        es, fl = b.es, b.fl
-        off = b.addr - es.base
-        mapped = (-(-(off + size) // es.page) - off // es.page) * es.page  # ExpandableSegment::map: whole pages
-        if self.card is not None and self.reserved + mapped > self.card:
-            return False  # cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY
-        fl.remove_unmapped(b)
-        b.state = FREE
-        if mapped < b.size:
-            rest = _Block(b.addr + mapped, b.size - mapped, UNMAPPED, fl, es)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            fl.insert_unmapped(rest)
-            b.size = mapped
-        self._merge(b, b.prev)
-        self._merge(b, b.next)
-        fl.insert(b)
-        self._grow(mapped)
-        return True
-
-    def _merge(self, dst: _Block, src: _Block | None) -> None:
-        """try_merge_blocks: dst absorbs src when src is unallocated and equally mapped."""
-        if src is None or src.state == ALLOCATED or src.state != dst.state:
-            return
-        if src.state == FREE:
-            src.fl.remove(src)
-        else:
-            src.fl.remove_unmapped(src)
-        if dst.prev is src:
-            dst.addr = src.addr
-            dst.prev = src.prev
-            if src.prev is not None:
-                src.prev.next = dst
-        else:
-            dst.next = src.next
-            if src.next is not None:
-                src.next.prev = dst
-        dst.size += src.size
-
-    def _unmap_block(self, b: _Block) -> None:
-        """unmap_block: unmap the whole free pages inside a cached expandable block; the partial ends stay cached."""
-        es, fl = b.es, b.fl
-        off = b.addr - es.base
-        begin, end = -(-off // es.page), (off + b.size) // es.page
-        if begin >= end:
-            return
-        fl.remove(b)
-        before = begin * es.page - off
-        after = b.size - before - (end - begin) * es.page
-        if before > 0:
-            bf = _Block(b.addr, before, FREE, fl, es)
-            bf.prev, bf.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = bf
-            b.prev = bf
-            fl.insert(bf)
-        if after > 0:
-            af = _Block(es.base + end * es.page, after, FREE, fl, es)
-            af.prev, af.next = b, b.next
-            if b.next is not None:
-                b.next.prev = af
-            b.next = af
-            fl.insert(af)
-        b.addr = es.base + begin * es.page
-        b.size = (end - begin) * es.page
-        b.state = UNMAPPED
-        self._merge(b, b.prev)
-        self._merge(b, b.next)
-        fl.insert_unmapped(b)
-        self._shrink((end - begin) * es.page)
-
-    # -- driving a ledger ------------------------------------------------------------------------------------
     def run(self, ledger, per_event: list | None = None) -> SimResult:
         marks = sorted(ledger.marks, key=lambda m: m.at)
         n = len(self.events)
