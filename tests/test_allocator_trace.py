@@ -218,6 +218,17 @@ def test_frame_label_rules():
     assert frame_label([TORCH_LINEAR, MARKER, HARNESS]) == "memplan/verify/harness.py:memplan_phase_marker"
     assert frame_label([]) == frame_label(None) == frame_label([TORCH_LINEAR]) == ""
     assert frame_label([LLAMA], keep_frames=0) == ""
+    assert frame_label([MARKER], keep_frames=0) == "memplan/verify/harness.py:memplan_phase_marker"
+
+
+def test_empty_cache_without_stacks_is_told_from_the_oom_path_by_what_follows():
+    snap = hand_snapshot()
+    for e in snap["device_traces"][0]:
+        e["frames"] = []
+    # the release of SIDE's segment is followed by the snapshot event, not by a new segment: empty_cache
+    assert compact_trace(snap)["empty_cache_at"] == [15]
+    snap["device_traces"][0].insert(-1, {**snap["device_traces"][0][4], "addr": C})  # a segment_alloc right after
+    assert compact_trace(snap)["empty_cache_at"] == []  # ... reads as an OOM-path release (record stacks!)
 
 
 @pytest.mark.parametrize(("label", "component"), [

@@ -95,11 +95,11 @@ def frame_label(frames: list[dict] | None, keep_frames: int = 1) -> str:
     C++ frames (``stacks="all"``), frames inside torch and the standard library's are skipped; a phase marker's frame wins, so
     ledger_from_trace can find it. "" when no frame qualifies (the C++ autograd engine's thread has no Python
     stack: most backward-pass allocations)."""
+    for fr in frames or ():
+        if fr.get("name") == MARKER_FUNCTION:
+            return short_frame(fr)  # kept whatever keep_frames says: the phase marks depend on it
     if not frames or keep_frames <= 0:
         return ""
-    for fr in frames:
-        if fr.get("name") == MARKER_FUNCTION:
-            return short_frame(fr)
     picked = [short_frame(fr) for fr in frames if not _skipped(str(fr.get("filename", "")))]
     label = " < ".join(picked[:keep_frames])
     if any("torch/optim/" in str(fr.get("filename", "")).replace("\\", "/") for fr in frames):
@@ -129,6 +129,7 @@ def compact_trace(snapshot: dict, *, device: int = 0, keep_frames: int = 1, max_
     stream: list[int] = []
     frame: list[int] = []
     empty_cache_at: list[int] = []
+    frameless: list[int] = []  # segment releases recorded without a stack (context=None)
     k = 0
     while k < len(raw):
         e = raw[k]
@@ -140,14 +141,18 @@ def compact_trace(snapshot: dict, *, device: int = 0, keep_frames: int = 1, max_
         if a == FREE_REQUESTED and k < len(raw) and raw[k].get("action") == "free_completed" and raw[k].get("addr") == ad:
             a = FREE
             k += 1
-        if a in (SEGMENT_FREE, SEGMENT_UNMAP) and _from_empty_cache(e.get("frames")):
-            empty_cache_at.append(len(act))
+        if a in (SEGMENT_FREE, SEGMENT_UNMAP):
+            if _from_empty_cache(e.get("frames")):
+                empty_cache_at.append(len(act))
+            elif not e.get("frames"):
+                frameless.append(len(act))
         label = frame_label(e.get("frames"), keep_frames) if a in (ALLOC, OOM) else ""
         act.append(a)
         addr.append(ad)
         size.append(int(e.get("size", 0)))
         stream.append(streams_tab.setdefault(int(e.get("stream", 0)), len(streams_tab)))
         frame.append(frames_tab.setdefault(label, len(frames_tab)) if label else -1)
+    empty_cache_at = sorted(empty_cache_at + _releases_outside_malloc(act, frameless))
     segs = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
     out = {
         "format": FORMAT, "version": VERSION, "device": device,
@@ -161,6 +166,25 @@ def compact_trace(snapshot: dict, *, device: int = 0, keep_frames: int = 1, max_
         "extra": {},
     }
     out["integrity"] = check_integrity(out)
+    return out
+
+
+def _releases_outside_malloc(act: list[int], frameless: list[int]) -> list[int]:
+    """Without stacks, which segment releases were empty_cache's: the OOM path of a malloc (release_cached_blocks,
+    release_available_cached_blocks) is followed by that malloc's new segment or its OOM; a run of releases
+    followed by anything else (or by nothing) is taken for empty_cache. An empty_cache just before an allocation
+    that needs a new segment is taken for the OOM path: record stacks to tell them apart."""
+    out: list[int] = []
+    k = 0
+    while k < len(frameless):
+        run = [frameless[k]]
+        while k + 1 < len(frameless) and frameless[k + 1] == run[-1] + 1:
+            k += 1
+            run.append(frameless[k])
+        nxt = run[-1] + 1
+        if nxt >= len(act) or act[nxt] not in (SEGMENT_ALLOC, SEGMENT_MAP, OOM):
+            out += run
+        k += 1
     return out
 
 
