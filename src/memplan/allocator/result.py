@@ -25,7 +25,8 @@ class OomInfo:
     event: int  # index into Ledger.events
     tensor: int  # the tensor id the ledger allocates there
     requested_bytes: int  # the request before rounding
-    alloc_bytes: int  # what it asked the card for (get_allocation_size; pages for expandable segments)
+    alloc_bytes: int  # its get_allocation_size (the segment cudaMalloc was asked for; with expandable segments only
+    #                   the pages missing were to be mapped)
     reserved_bytes: int  # reserved after the OOM path released what it could
     allocated_bytes: int
 
