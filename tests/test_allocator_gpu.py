@@ -134,3 +134,16 @@ def test_training_traces_measured_equals_torch_and_the_replay_follows(name):
     assert res.peak_allocated_bytes == m["peak_allocated_bytes"] and res.peak_rounded_bytes == led.peak()[0]
     for p, s in zip(m["phases"], res.phases):
         assert (p["peak_allocated_bytes"], p["peak_reserved_bytes"]) == (s.peak_allocated_bytes, s.peak_reserved_bytes)
+
+
+def test_expandable_segments_can_reserve_more_than_the_default_allocator():
+    """gpu_validate.py counterexample: fuzz_ops(2230, 200) without its empty_cache calls, one stream. Measured:
+    702 MiB by default, 890 MiB with expandable segments, more than the one page per pool and stream that bounds
+    the difference when frees are in stack order (test_allocator_props.py); the replay predicts both exactly."""
+    runs = {(c["conf"], r["name"]): r for c in json.loads((GPU / "counterexample.json").read_text()) for r in c["results"]}
+    for (conf, _), run in runs.items():
+        assert not differences(conf, run, addresses=False)
+    name = "fuzz2230x200_allocs_and_frees"
+    default, expandable = (max(p[1] for p in runs[(conf, name)]["peaks"]) for conf in ("", "expandable_segments:True"))
+    assert (default, expandable) == (702 * 2**20, 890 * 2**20)
+    assert expandable > default + 2 * 2**20 + 20 * 2**20

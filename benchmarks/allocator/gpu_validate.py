@@ -13,6 +13,9 @@ writes to DIR:
 - ``trace_llama1b_*.json.gz``: compact traces (memplan.allocator.trace) of 3 steps of a 1.1B Llama, default and
   expandable segments, with torch's own per-phase peaks in ``extra``.
 
+``gpu_validate.py counterexample --out DIR`` writes ``counterexample.json``: one random sequence (with and without
+its empty_cache calls) under the default allocator and under expandable segments, where the latter reserve more.
+
 Each configuration runs in its own process (the allocator reads PYTORCH_CUDA_ALLOC_CONF once).
 """
 
@@ -187,6 +190,29 @@ def _snap(torch) -> dict:
     return json.loads(json.dumps(snap, default=lambda o: list(o) if isinstance(o, tuple) else str(o)))
 
 
+def worker_counterexample(conf: str, out: str) -> None:
+    """fuzz_ops(2230, 200), with and without its empty_cache and reset ops: in the second, expandable segments
+    reserve more than the default allocator by more than a page per pool and stream."""
+    import torch
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+    ops = fuzz_ops(2230, 200)
+    scs = [{"name": "fuzz2230x200", "ops": ops},
+           {"name": "fuzz2230x200_allocs_and_frees", "ops": [op for op in ops if op[0] in "af"]}]
+    Path(out).write_text(json.dumps({"conf": conf, "results": [run_ops(torch, sc, streams) for sc in scs]}))
+
+
+def counterexample(outdir: Path) -> None:
+    outdir.mkdir(parents=True, exist_ok=True)
+    res = []
+    for conf in ("", "expandable_segments:True"):
+        dest = outdir / "tmp.json"
+        subprocess.run([sys.executable, str(HERE), "worker", "counterexample", conf, str(dest)], check=True,
+                       env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}, timeout=300)
+        res.append(json.loads(dest.read_text()))
+        dest.unlink()
+    (outdir / "counterexample.json").write_text(json.dumps(res))
+
+
 def worker_snapshots(conf: str, out: str) -> None:
     """Small recorded runs whose raw snapshots the converter's tests read."""
     import torch
@@ -344,12 +370,14 @@ def run(outdir: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cmd", choices=["run", "env", "worker"])
+    ap.add_argument("cmd", choices=["run", "env", "worker", "counterexample"])
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
     if a.cmd == "run":
         run(Path(a.out))
+    elif a.cmd == "counterexample":
+        counterexample(Path(a.out))
     elif a.cmd == "env":
         import torch
         props = torch.cuda.get_device_properties(0)
@@ -362,7 +390,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in info.items() if k != "conf_probes"}))
     else:
         task, conf, dest, *more = a.rest
-        {"scenarios": worker_scenarios, "snapshots": worker_snapshots,
+        {"scenarios": worker_scenarios, "snapshots": worker_snapshots, "counterexample": worker_counterexample,
          "train": lambda c, d: worker_train(c, d, more[0])}[task](conf, dest)
 
 
