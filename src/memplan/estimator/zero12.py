@@ -150,7 +150,7 @@ class Zero12:
         """average_tensor on the bucket's contents, then each parameter's grad to its partition or dropped."""
         if not self.bucket_params:
             return
-        L, s = self.L, self.stream
+        s = self.stream
         pieces = []  # (destination, elements) merged over consecutive same-destination slices
         for name, _ in self.bucket_params:
             g, i = self.index[name]
