@@ -32,7 +32,7 @@ def ledger_supported(job: Job) -> bool:
     from .families import FORWARD
 
     t, z, lay, m = job.training, job.training.zero, job.layout, job.model
-    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1 and z.stage in (0, 1, 2) and z.offload_optimizer == "none"
+    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1 and z.offload_optimizer == "none" and z.offload_param == "none"
             and m.family in FORWARD and t.checkpointing == "none" and t.lora is None and not t.freeze
             and t.dtype == "bf16" and sdpa_backend(m, 2, t.attention) == "flash" and t.attention != "eager"
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion")

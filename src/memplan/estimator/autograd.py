@@ -110,6 +110,18 @@ class Autograd:
             v.node = self._node("ViewBackward", (t,), (), _passthrough)
         return v
 
+    def marker(self, t: Tensor, fn: Callable[[], None]) -> Tensor:
+        """An alias of ``t`` whose backward runs ``fn`` when the gradient reaches it and passes the gradient on
+        (the autograd functions DeepSpeed wraps module inputs and outputs in for its backward hooks)."""
+        v = Tensor(t.storage, t.nbytes, t.name, t.requires_grad, is_view=True)
+        self.ref(v)
+        if t.requires_grad and self.grad_enabled:
+            def backward(ctx, grad, node):
+                fn()
+                return grad
+            v.node = self._node("HookBackward", (t,), (), backward)
+        return v
+
     # -- graph ------------------------------------------------------------------------------------------
     def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable) -> Node:
         for s in saved:

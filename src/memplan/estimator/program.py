@@ -25,6 +25,7 @@ from .families import forward
 from .optim import Optimizer
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
+from .zero3 import Zero3
 from .zero12 import FlatGroup, Zero12
 
 #: cuBLAS and cuBLASLt workspaces (CublasHandlePool.cpp: 32 MiB each on sm90), at the first matmul
@@ -68,7 +69,11 @@ def _engine(L: Ledger, job: Job, trainable):
         group = FlatGroup(names, numels, lay.zero_group, 0)
         comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
         return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap, t.grad_accum, opt, comm)
-    raise NotImplementedError("ZeRO-3 in the ledger")
+    g = dtype_bytes(t.grad_accum_dtype or t.dtype)
+    comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
+    all_names = [p.name for p in parameter_tensors(job.model)]
+    all_numels = [p.numel for p in parameter_tensors(job.model)]
+    return Zero3(L, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm)
 
 
 def shape(job: Job) -> Shape:
@@ -82,10 +87,17 @@ def build_ledger(job: Job, steps: int = 3, stepped: bool = True) -> Ledger:
     t = job.training
     L = Ledger()
     L.mark("init")
-    ids = build_model(L, job)
     trainable = _trainable(job)
     engine = _engine(L, job, trainable)
+    if isinstance(engine, Zero3):
+        from ..params import parameter_tensors
+
+        engine.build([(p.name, p.numel) for p in parameter_tensors(job.model)])
+        ids = {}
+    else:
+        ids = build_model(L, job)
     engine.initialize(ids)
+    hooks = engine if isinstance(engine, Zero3) else None
     ag = Autograd(L, on_param_grad=lambda param, grad: engine.on_param_grad(ag, param, grad))
     workspaces = []
 
@@ -99,7 +111,9 @@ def build_ledger(job: Job, steps: int = 3, stepped: bool = True) -> Ledger:
     for step in range(steps):
         for micro in range(t.grad_accum):
             L.mark(f"step{step}.micro{micro}.forward")
-            out = forward(Net(ag, job.model, s, params))
+            if hooks is not None:
+                hooks.start_forward()
+            out = forward(Net(ag, job.model, s, params, hooks))
             if kept is not None:
                 ag.release(kept)  # the name is rebound: the previous output object dies
                 kept = None

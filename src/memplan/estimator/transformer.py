@@ -65,10 +65,11 @@ class ModuleHooks:
     functions on its outputs and inputs, its backward pre/post hooks). The default runs nothing; ZeRO-3's
     parameter coordinator (estimator/zero3.py) gathers and releases parameters here."""
 
-    def pre_forward(self, ag: Autograd, module: str, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    def pre_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+                    ) -> tuple[Tensor, ...]:
         return inputs
 
-    def post_forward(self, ag: Autograd, module: str, output: Tensor) -> Tensor:
+    def post_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], output: Tensor) -> Tensor:
         return output
 
 
@@ -81,22 +82,31 @@ class Net:
         self.hooks = hooks or ModuleHooks()
         self.layer_fn = layer_fn  # (i, x, run) → output: wraps each decoder layer (checkpointing)
 
-    def module(self, name: str, fn, *inputs: Tensor) -> Tensor:
-        """Call module ``name`` (``fn(*inputs)``) between its hooks."""
-        inputs = self.hooks.pre_forward(self.ag, name, inputs)
-        out = fn(*inputs)
-        return self.hooks.post_forward(self.ag, name, out)
+    def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor, ...] = ()) -> Tensor:
+        """Call module ``name`` (``fn(*inputs)``, parameters ``params``) between its hooks."""
+        ag = self.ag
+        wrapped = self.hooks.pre_forward(ag, name, params, inputs)
+        out = fn(*wrapped)
+        for w, x in zip(wrapped, inputs):
+            if w is not x:
+                ag.release(w)
+        hooked = self.hooks.post_forward(ag, name, params, out)
+        if hooked is not out:
+            ag.release(out)
+        return hooked
 
     def linear(self, x: Tensor, name: str, out_features: int, bias: bool = False) -> Tensor:
         """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]."""
         s, p = self.s, self.p
+        w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
-        return self.module(name, lambda z: B.linear(self.ag, z, p[f"{name}.weight"], s.b * s.tokens * out_features,
-                                                    name, b_t), x)
+        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t), x,
+                           params=(w, b_t) if b_t is not None else (w,))
 
     def rmsnorm(self, x: Tensor, name: str) -> Tensor:
         """The family's RMSNorm module ``name`` on x."""
-        return self.module(name, lambda z: B.rmsnorm(self.ag, z, self.p[f"{name}.weight"], self.s.b, name), x)
+        w = self.p[f"{name}.weight"]
+        return self.module(name, lambda z: B.rmsnorm(self.ag, z, w, self.s.b, name), x, params=(w,))
 
     def layer(self, i: int, x: Tensor, run) -> Tensor:
         """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing/ZeRO-3 layer function."""

@@ -80,7 +80,8 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor) -> Tensor:
 def forward(net: Net) -> Output:
     """LlamaForCausalLM.forward(input_ids, labels): the output object (loss and logits)."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
-    emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, p["model.embed_tokens.weight"]))
+    w = p["model.embed_tokens.weight"]
+    emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, w), params=(w,))
     pos_ids = positions(ag, s)
     cos, sin = rotary(ag, m, s)
     hidden = ag.ref(emb)
