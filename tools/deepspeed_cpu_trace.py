@@ -1,13 +1,21 @@
-import os, sys, json, tempfile
+import json
+import os
+import sys
+import tempfile
+
 os.environ["DS_ACCELERATOR"]="cpu"
-import torch, torch.distributed as dist
+import torch
+import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
 stage=int(sys.argv[1]); world=int(sys.argv[2]); extra=json.loads(sys.argv[3]) if len(sys.argv)>3 else {}
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 import deepspeed
+
 deepspeed.init_distributed()
 from memplan.verify.cputrace import tiny_causal_lm
+
 cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
               "max_position_embeddings": 512}
@@ -16,8 +24,12 @@ zero.update(extra.get("zero", {}))
 ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": extra.get("ga",1), "train_batch_size": world*extra.get("ga",1),
       "bf16": {"enabled": True}, "zero_optimization": zero,
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
-from torch.profiler import profile, ProfilerActivity, record_function
-import functools, inspect
+import functools
+import inspect
+
+from torch.profiler import ProfilerActivity, profile, record_function
+
+
 def annotate(cls, prefix):
     for name, fn in list(vars(cls).items()):
         if inspect.isfunction(fn) and not name.startswith("__"):
@@ -28,14 +40,15 @@ def annotate(cls, prefix):
                         return fn(*a, **k)
                 return w
             setattr(cls, name, wrap())
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-from deepspeed.runtime.zero import partition_parameters as pp
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
 for c, p in ((DeepSpeedZeroOptimizer, "z12"), (DeepSpeedZeroOptimizer_Stage3, "z3"), (PartitionedParameterCoordinator, "coord"), (DeepSpeedEngine, "engine")):
     annotate(c, p)
 import deepspeed.runtime.bf16_optimizer as bfo
+
 annotate(bfo.BF16_Optimizer, "bf16opt")
 def run_all():
     global engine

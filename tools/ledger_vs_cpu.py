@@ -12,8 +12,11 @@ from memplan.verify import cputrace
 family = sys.argv[1] if len(sys.argv) > 1 else "llama"
 cfg = model_check.TINY[family]
 tiny = cputrace.tiny_causal_lm(cfg, "bf16", "sdpa")
+ckpt = len(sys.argv) > 4 and sys.argv[4] == "ckpt"
+if ckpt:
+    tiny.gradient_checkpointing_enable()
 real = cputrace.net_events(cputrace.record(cputrace.micro_step(tiny, int(sys.argv[2]) if len(sys.argv) > 2 else 1, int(sys.argv[3]) if len(sys.argv) > 3 else 128, cfg["vocab_size"])))
-model = model_check.model_events(cfg, batch=int(sys.argv[2]) if len(sys.argv) > 2 else 1, seq=int(sys.argv[3]) if len(sys.argv) > 3 else 128)
+model = model_check.model_events(cfg, batch=int(sys.argv[2]) if len(sys.argv) > 2 else 1, seq=int(sys.argv[3]) if len(sys.argv) > 3 else 128, checkpointing=ckpt)
 n = max(len(real), len(model))
 first = next((i for i in range(n) if i >= len(real) or i >= len(model) or real[i][0] != model[i][0]), None)
 lo = max(0, (first or n) - 30)

@@ -31,8 +31,8 @@ FAMILIES = {
 
 
 def layers_of(model):
-    base = getattr(model, "model", None) or getattr(model, "transformer", None) or getattr(model, "gpt_neox")
-    return list(getattr(base, "layers", None) or getattr(base, "h"))
+    base = getattr(model, "model", None) or getattr(model, "transformer", None) or model.gpt_neox
+    return list(getattr(base, "layers", None) or base.h)
 
 
 def measure(family: str, attn: str, seq: int = 128, dtype=torch.bfloat16) -> dict:

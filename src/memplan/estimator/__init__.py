@@ -33,7 +33,8 @@ def ledger_supported(job: Job) -> bool:
 
     t, z, lay, m = job.training, job.training.zero, job.layout, job.model
     return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1 and z.offload_optimizer == "none" and z.offload_param == "none"
-            and m.family in FORWARD and t.checkpointing == "none" and t.lora is None and not t.freeze
+            and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
+            and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
             and t.dtype == "bf16" and sdpa_backend(m, 2, t.attention) == "flash" and t.attention != "eager"
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion")
             and not (z.stage == 1 and t.grad_accum_dtype == "fp32") and t.model_impl == "transformers")

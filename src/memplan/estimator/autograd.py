@@ -52,10 +52,13 @@ class Node:
     ``backward(ctx, grads)`` receives the incoming gradients (one per output, None where none arrived) and
     returns one gradient per entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
 
-    __slots__ = ("backward", "inputs", "name", "saved", "seq")
+    __slots__ = ("backward", "inputs", "name", "region", "saved", "seq", "unpacked", "would_save")
 
     def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int):
         self.name, self.inputs, self.saved, self.backward, self.seq = name, inputs, saved, backward, seq
+        self.region = None  # a checkpointed region whose saved tensors are recomputed before this node runs
+        self.would_save = bool(saved)  # saved something, or would have outside a checkpointed forward
+        self.unpacked = False  # its saved tensors came from a checkpoint's recompute: apply's locals own them
 
 
 class Autograd:
@@ -69,12 +72,18 @@ class Autograd:
         self.grad_enabled = True
         self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
         self.before_matmul: Callable[[], None] | None = None  # called once, before the first matmul
+        self.saving = True  # False inside a non-reentrant checkpointed forward: saved tensors are not kept
+        self.region = None  # the checkpointed region whose nodes are being recorded
+        self.suppress = False  # a recompute stopped early: what follows allocates nothing
+        self.stop_at: int | None = None  # index in self.nodes of the recompute's last node that saves
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
 
     # -- storage ----------------------------------------------------------------------------------------
     def empty(self, name: str, nbytes: int, requires_grad: bool = False, component: str | None = None,
               stream: int = 0) -> Tensor:
         """A new tensor with its own storage (one allocation), referenced once by the caller."""
+        if self.suppress:
+            return Tensor(None, nbytes, name, requires_grad)
         st = Storage(self.ledger.alloc(name, nbytes, component or self.component, stream), nbytes)
         st.refs = 1
         return Tensor(st, nbytes, name, requires_grad)
@@ -124,9 +133,14 @@ class Autograd:
 
     # -- graph ------------------------------------------------------------------------------------------
     def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable) -> Node:
+        would_save = bool(saved)
+        if not self.saving:  # torch.utils.checkpoint's saved-tensor hooks keep a handle, not the tensor
+            saved = ()
         for s in saved:
             self.ref(s)
         node = Node(name, inputs, saved, backward, len(self.nodes))
+        node.would_save = would_save
+        node.region = self.region
         self.nodes.append(node)
         return node
 
@@ -136,16 +150,21 @@ class Autograd:
         requires grad. ``saved`` are the tensors autograd keeps for backward (the output may be among them:
         pass the string "out")."""
         needs = self.grad_enabled and any(t.requires_grad for t in inputs)
+        last = needs and self.stop_at is not None and len(self.nodes) == self.stop_at
+        if last and "out" not in saved:  # the recompute stops once this op packs its inputs
+            self.suppress = True
         out = self.empty(name, out_bytes, needs, component)
         if needs:
             saved_t = tuple(out if s == "out" else s for s in saved)
             out.node = self._node(name, inputs, saved_t, backward or _elementwise_grads)
+        if last:
+            self.suppress = True
         return out
 
     def keep(self, out: Tensor, extra: Tensor) -> None:
         """Save ``extra`` for ``out``'s node too (a kernel output allocated after the op's result, such as
         flash attention's logsumexp)."""
-        if out.node is not None:
+        if out.node is not None and self.saving:
             out.node.saved = (*out.node.saved, self.ref(extra))
 
     def backward(self, root: Tensor, grad_bytes: int) -> None:
@@ -164,15 +183,26 @@ class Autograd:
             if grad is None:  # nothing flowed here: the engine never schedules it
                 self._release_saved(node)
                 continue
+            if node.region is not None and not node.region.done:  # unpacking a saved tensor recomputes
+                node.region.recompute()
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
+            held = bool(node.saved)
+            if node.unpacked:  # apply's unpacked locals die (last unpacked first) before its argument list
+                for t in node.saved[::-1]:
+                    self.release(t)
+                node.saved = ()
+            if outs is not grad:
+                outs = self._validate_outputs(node, outs)
             if outs is grad:  # passthrough of the incoming gradient object
                 outs = (grad,) * len(node.inputs)
                 for _ in range(len(node.inputs) - 1):
                     self.ref(grad)
             elif not any(o is grad for o in outs):
                 self.release(grad)  # apply's argument list dies with the call
-            self._release_saved(node)
+            self._release_saved(node)  # release_variables: the checkpoint's holders go here
+            if node.unpacked and held:
+                node.region.released()
             for inp, g in zip(node.inputs, outs):
                 if g is None:
                     continue
@@ -184,10 +214,25 @@ class Autograd:
                     self._push(inp, g)
         self.nodes[stop + 1:start + 1] = []
 
+    def _validate_outputs(self, node: Node, outs: tuple) -> tuple:
+        """engine.cpp validate_outputs: a grad larger than its (broadcast) input is summed down to the input's
+        size (InputMetadata::reduce_grad → sum_to): one more tensor, the full-size grad freed."""
+        fixed = []
+        for inp, g in zip(node.inputs, outs):
+            if g is not None and g.nbytes > inp.nbytes:
+                r = self.empty(f"{g.name}.reduced", inp.nbytes, component="activations")
+                self.release(g)
+                g = r
+            fixed.append(g)
+        return tuple(fixed)
+
     def _release_saved(self, node: Node) -> None:
+        had = bool(node.saved)
         for s in node.saved:
             self.release(s)
         node.saved = ()
+        if had and node.region is not None and node.region.done:
+            node.region.released()
 
     def _push(self, t: Tensor, grad: Tensor) -> None:
         """Add ``grad`` to the input buffer of ``t``'s grad_fn (InputBuffer::add)."""

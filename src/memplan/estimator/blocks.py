@@ -92,24 +92,10 @@ def rsqrt(ag: Autograd, x: Tensor, name: str) -> Tensor:
 
 def mul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str) -> Tensor:
     """a * c (broadcasting): MulBackward0 saves each operand the other's grad needs; each grad is grad·other
-    at the output's size, reduced to the operand's size afterwards (validate_outputs → sum_to_size: one
-    more tensor of the operand's size, the full-size product freed)."""
+    at the output's size (the engine's validate_outputs then reduces a broadcast operand's grad: sum_to_size)."""
     def backward(ctx, grad, node):
-        outs = []
-        for t in (a, c):
-            if not t.requires_grad:
-                outs.append(None)
-                continue
-            g = ctx.new(f"grad.{name}", out_bytes)
-            outs.append(g)
-        reduced = []
-        for t, g in zip((a, c), outs):  # the engine's validate_outputs reduces broadcast grads, in input order
-            if g is not None and t.nbytes != out_bytes:
-                r = ctx.new(f"grad.{name}.reduced", t.nbytes)
-                ctx.free(g)
-                g = r
-            reduced.append(g)
-        return tuple(reduced)
+        # each grad at the output's size; the engine reduces broadcast ones afterwards (validate_outputs)
+        return tuple(ctx.new(f"grad.{name}", out_bytes) if t.requires_grad else None for t in (a, c))
 
     saved = tuple(t for t, other in ((c, a), (a, c)) if other.requires_grad)
     return ag.op(name, out_bytes, (a, c), saved, backward)

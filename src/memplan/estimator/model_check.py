@@ -21,13 +21,18 @@ TINY = {
 }
 
 
-def model_events(config: dict, batch: int, seq: int, b: int = 2) -> list[tuple[int, str]]:
-    """(±bytes, name) of one loss-loop micro-step of ``config`` as the autograd model issues it."""
+def model_events(config: dict, batch: int, seq: int, b: int = 2, checkpointing: bool = False
+                 ) -> list[tuple[int, str]]:
+    """(±bytes, name) of one loss-loop micro-step of ``config`` as the autograd model issues it
+    (``checkpointing``: every decoder layer checkpointed the non-reentrant way, transformers' default)."""
+    from .checkpoint import nonreentrant
+
     spec = model_from_config(dict(config), "tiny", "tiny test config")
     ledger = Ledger()
     ag = Autograd(ledger, on_param_grad=lambda param, grad: None)  # param.grad keeps the stolen grad
     params = Params(ag, spec, b, lambda name: True)
-    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params))
+    layer_fn = nonreentrant(ag) if checkpointing else None
+    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params, layer_fn=layer_fn))
     ag.release(out.logits)
     loss = out.loss
     ag.backward(loss, 4)

@@ -107,13 +107,18 @@ def build_ledger(job: Job, steps: int = 3, stepped: bool = True) -> Ledger:
     ag.before_matmul = first_matmul
     params = Params(ag, job.model, dtype_bytes(t.dtype), trainable)
     s = shape(job)
+    layer_fn = None
+    if t.checkpointing == "full":
+        from .checkpoint import nonreentrant
+
+        layer_fn = nonreentrant(ag)
     kept = None  # the loop's ``outputs``: logits of the last forward
     for step in range(steps):
         for micro in range(t.grad_accum):
             L.mark(f"step{step}.micro{micro}.forward")
             if hooks is not None:
                 hooks.start_forward()
-            out = forward(Net(ag, job.model, s, params, hooks))
+            out = forward(Net(ag, job.model, s, params, hooks, layer_fn))
             if kept is not None:
                 ag.release(kept)  # the name is rebound: the previous output object dies
                 kept = None

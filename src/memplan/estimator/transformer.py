@@ -108,9 +108,10 @@ class Net:
         w = self.p[f"{name}.weight"]
         return self.module(name, lambda z: B.rmsnorm(self.ag, z, w, self.s.b, name), x, params=(w,))
 
-    def layer(self, i: int, x: Tensor, run) -> Tensor:
-        """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing/ZeRO-3 layer function."""
-        return self.layer_fn(i, x, run) if self.layer_fn else run(x)
+    def layer(self, i: int, x: Tensor, run, extras: tuple[Tensor, ...] = ()) -> Tensor:
+        """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing layer function. ``extras``: the
+        layer's other tensor arguments (a checkpoint frame keeps them too: rotary tables, masks)."""
+        return self.layer_fn(i, x, run, extras) if self.layer_fn else run(x)
 
 
 @dataclass

@@ -30,12 +30,12 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor) -> Tensor:
     ag.release(kv)
     out = B.flash_attention(ag, qr, kr, vv, heads=m.num_heads, kv_heads=m.num_kv_heads, seq=s.attn_seq,
                             batch=s.batch, head_dim=m.head_dim, b=s.b, name=f"{pre}.attn")
-    for z in (qr, kr, vv):
-        ag.release(z)
     o_in = ag.view(out)  # transpose(1, 2).contiguous() and reshape: already [B, S, nh, d]
     ag.release(out)
     y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
-    ag.release(o_in)
+    ag.release(o_in)  # attn_output rebound to o_proj's output
+    for z in (qr, kr, vv):  # the function returns: query/key/value_states die
+        ag.release(z)
     return y
 
 
@@ -86,7 +86,8 @@ def forward(net: Net) -> Output:
     cos, sin = rotary(ag, m, s)
     hidden = ag.ref(emb)
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin))
+        extras = (cos, sin) if pos_ids is None else (cos, sin, pos_ids)  # the layer's tensor arguments
+        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin), extras)
         ag.release(hidden)
         hidden = new
     normed = net.rmsnorm(hidden, "model.norm")
