@@ -111,8 +111,8 @@ def test_full_recompute_keeps_the_layer_input_and_one_chunk():
 
 
 def test_deepspeed_partition_and_cpu_checkpointing():
-    base = dict(seq=2048, tp=4, attention="flash", dtype="bf16", checkpointing="full",
-                codebase="megatron-deepspeed", deepspeed_activation_checkpointing=True)
+    base = {"seq": 2048, "tp": 4, "attention": "flash", "dtype": "bf16", "checkpointing": "full",
+                "codebase": "megatron-deepspeed", "deepspeed_activation_checkpointing": True}
     part = job(**base, partition_activations=True)
     assert layer_input_bytes_per_token(part.model, part) == 2 * 1024 // 4
     cpu = job(**base, partition_activations=True, checkpoint_in_cpu=True)

@@ -23,8 +23,8 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     measured = _measured()
     source = ("megatron-core 0.16.1 rows in benchmarks/megatron" if measured else
               "the megatron-core harness (benchmarks/megatron, no rows committed yet)")
-    notes = [f"Megatron's GPT layer terms are read from Megatron-DeepSpeed f4157bea and megatron-core 0.16.1; "
-             f"measured by {source}"]
+    notes = [(f"Megatron's GPT layer terms are read from Megatron-DeepSpeed f4157bea and megatron-core 0.16.1; "
+             f"measured by {source}")]
     if meg.codebase == "megatron-deepspeed":
         notes.append("Megatron-DeepSpeed itself is not measured (it needs apex): its apex memory-efficient "
                      "LayerNorm, fused softmax kernel, DistributedAttention and PipelineEngine buffers are read "

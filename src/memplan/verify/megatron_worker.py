@@ -277,8 +277,7 @@ def run(case: MegatronCase, device: str) -> dict[str, Any]:
     model = phase("init", lambda: build(case, device))
     model.train()
     vocab = padded_vocab(case.vocab, case.tp)
-    shard = case.seq // case.tp if case.sequence_parallel else case.seq
-    del shard  # GPTModel takes the whole sequence; the embedding scatters it under --sequence-parallel
+    # GPTModel takes the whole sequence; under --sequence-parallel its embedding scatters it over tp
     ids = torch.randint(0, case.vocab, (case.micro, case.seq), device=device)
     positions = torch.arange(case.seq, device=device).unsqueeze(0).expand(case.micro, -1)
     mask = None if case.flash else torch.triu(
@@ -292,7 +291,7 @@ def run(case: MegatronCase, device: str) -> dict[str, Any]:
             probe.remove()
         else:
             loss = phase(f"micro{i}.forward", lambda: model(ids, positions, mask, labels=ids))
-        phase(f"micro{i}.backward", lambda: loss.mean().backward())
+        phase(f"micro{i}.backward", lambda loss=loss: loss.mean().backward())
         del loss
     peaks = [p["peak_allocated_bytes"] for p in phases if p["peak_allocated_bytes"] is not None]
     return {"phases": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
