@@ -15,8 +15,8 @@ what Megatron-DeepSpeed's ParallelAttention + FlashSelfAttention do around the k
 kernel (scaled_dot_product_attention under SDPBackend.FLASH_ATTENTION; the flash-attn package is not on the GPU
 machine); with --sequence-parallel the norms are torch.nn.LayerNorm marked sequence_parallel (megatron-core's
 WrappedTorchNorm refuses sequence_parallel without apex; the saved tensors are torch LayerNorm's either way).
-On the CPU, megatron-core's CUDA-only helpers are replaced: the global memory buffer allocates on the CPU and
-the CUDA RNG tracker's fork is a no-op (cpu_shims).
+On the CPU, megatron-core's CUDA-only helpers are replaced: torch.cuda.current_device() names the CPU and the
+CUDA RNG tracker's fork is a no-op (cpu_shims).
 """
 
 from __future__ import annotations
@@ -45,28 +45,23 @@ def megatron_core_version() -> str | None:
 
 
 def cpu_shims() -> None:
-    """Let megatron-core run on the CPU: GlobalMemoryBuffer.get_tensor allocates on the CPU (it asks
-    torch.cuda.current_device()) and get_cuda_rng_tracker().fork() does nothing (it swaps CUDA RNG states)."""
-    import operator
-    from functools import reduce
-
+    """Let megatron-core run on the CPU (this process only): its buffers are allocated on
+    torch.cuda.current_device() (GlobalMemoryBuffer.get_tensor, the sequence-parallel gathers and scatters in
+    tensor_parallel/mappings.py), which then names the CPU, and get_cuda_rng_tracker().fork(), which swaps CUDA
+    RNG states, does nothing; a checkpoint stores and restores the CPU RNG state only (random.py
+    _get_all_rng_states / _set_all_rng_states)."""
     import megatron.core.tensor_parallel as tp_pkg
     import megatron.core.tensor_parallel.random as tp_random
-    import megatron.core.utils as mcore_utils
     import torch
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        n = reduce(operator.mul, tensor_shape, 1)
-        if self.buffer.get((name, dtype)) is None or self.buffer[(name, dtype)].numel() < n:
-            self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype, requires_grad=False)
-        return self.buffer[(name, dtype)][0:n].view(*tensor_shape)
 
     class _NoFork:
         def fork(self, name: str = ""):
             return contextlib.nullcontext()
 
-    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor
+    torch.cuda.current_device = lambda: "cpu"
     tp_pkg.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker = lambda *a, **k: _NoFork()
+    tp_random._get_all_rng_states = lambda: (torch.get_rng_state(),)
+    tp_random._set_all_rng_states = lambda cpu_state, *cuda_states: torch.set_rng_state(cpu_state)
 
 
 def setup(case: MegatronCase, device: str) -> None:
