@@ -96,7 +96,7 @@ def test_worker_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "memplan.verify.megatron_runner", str(matrix), "--out", str(out),
                            "--device", "cpu", "--workers", "3", "--deadline", "400", "--timeout", "400"],
-                          capture_output=True, text=True, timeout=600)
+                          check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["name"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
     assert set(rows) == {c.name for c in CPU_CASES}

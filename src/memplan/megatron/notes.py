@@ -44,7 +44,7 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
                      "runtime/activation_checkpointing/checkpointing.py, not measured")
     if uses_pipe_engine(job):
         notes.append("GPTModelPipe under DeepSpeed's PipelineEngine: the fp32 logits in pipe_buffers and the "
-                     "[s, s] bool attention masks of model_provider and get_batch_pipe are modelled, not measured")
+                     "s×s bool attention masks of model_provider and get_batch_pipe are modelled, not measured")
     if lay.tp > 1 and not lay.tp_sequence_parallel:
         notes.append("tp without --sequence-parallel keeps the layernorm / dropout regions whole on every rank")
     notes.append("backward temporaries inside a layer are modelled from the kernels' allocations and held to "
