@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m memplan.verify.megatron_runner", description=__doc__)
     ap.add_argument("matrix")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--work", help="tasks, worker logs and torch's compile cache (default OUT/work)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--gpu-budget-gib", type=float, default=120.0)
     ap.add_argument("--workers", type=int, default=3)
@@ -66,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated case names")
     ns = ap.parse_args(argv)
     out = Path(ns.out)
-    (out / "work").mkdir(parents=True, exist_ok=True)
+    work = Path(ns.work) if ns.work else out / "work"
+    work.mkdir(parents=True, exist_ok=True)
     rows_path = out / "rows.jsonl"
     only = {x for x in ns.only.split(",") if x}
     cases = [c for c in read_matrix(ns.matrix) if (not only or c.name in only) and c.name not in _done(rows_path)]
     cases.sort(key=lambda c: -predict(c)["peak"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(out / "work" / "inductor"))}
+           "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor"))}
     start = time.monotonic()
     running: list[tuple[MegatronCase, subprocess.Popen, float, float]] = []
     budget = ns.gpu_budget_gib * GiB
@@ -85,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
                     proc.kill()
                     proc.wait()
                 running.remove(item)
-                _collect(case, out, rows_path, proc.returncode)
+                _collect(case, work, rows_path, proc.returncode)
         used = sum(x[3] for x in running)
         while cases and now < ns.deadline and len(running) < ns.workers:
             need = predict(cases[0])["peak"] * 1.1 + 2 * GiB
             if running and used + need > budget:
                 break
             case = cases.pop(0)
-            running.append((case, _launch(case, ns.device, out, env, ns), time.monotonic(), need))
+            running.append((case, _launch(case, ns.device, work, env, ns), time.monotonic(), need))
             used += need
         if not running and (not cases or now >= ns.deadline):
             break
@@ -101,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _launch(case: MegatronCase, device: str, out: Path, env: dict, ns) -> subprocess.Popen:
-    work = out / "work" / case.name
+def _launch(case: MegatronCase, device: str, work_root: Path, env: dict, ns) -> subprocess.Popen:
+    work = work_root / case.name
     work.mkdir(parents=True, exist_ok=True)
     task = {"case": case.model_dump(), "device": device, "out": str(work / "row.json"),
             "command": ["python", "-m", "memplan.verify.megatron_runner", ns.matrix, "--out", ns.out,
@@ -113,14 +115,17 @@ def _launch(case: MegatronCase, device: str, out: Path, env: dict, ns) -> subpro
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _collect(case: MegatronCase, out: Path, rows_path: Path, rc: int | None) -> None:
-    path = out / "work" / case.name / "row.json"
+def _collect(case: MegatronCase, work: Path, rows_path: Path, rc: int | None) -> None:
+    path = work / case.name / "row.json"
     if path.exists():
         row = json.loads(path.read_text())
     else:
         row = {"schema": 1, "name": case.name, "case": case.model_dump(), "status": "error" if rc else "timeout",
-               "error": f"worker exited {rc} without a row (see work/{case.name}/worker.log)", "phases": []}
-    row["logs"] = [str(out / "work" / case.name / "worker.log")]
+               "error": f"worker exited {rc} without a row (see {work / case.name}/worker.log)", "phases": []}
+    row["logs"] = [str(work / case.name / "worker.log")]
+    if row.get("status") != "ok":  # the log's end, since the work folder may not come back
+        log = work / case.name / "worker.log"
+        row["log_tail"] = log.read_text(errors="replace")[-3000:] if log.exists() else None
     row["comparison"] = compare(row)
     with open(rows_path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
