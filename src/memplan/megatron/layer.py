@@ -91,20 +91,17 @@ def _softmax_region(s: Shape, job: Job, path: str) -> list[Term]:
     elems = s.nh * s.seq_in // s.tp
     terms = []
     if path == "fused-softmax":
+        # at p = 0 the kernel's output is also bmm's input: one tensor
         terms.append(Term("attn.softmax_out", b * elems, "fused kernel output [b, np, S_in, S_in]"))
-        probs_saved = meg.attention_dropout == 0  # the kernel's output is bmm's input then: no second tensor
     elif meg.attention_softmax_in_fp32 and b != 4:
         terms.append(Term("attn.softmax_out_fp32", 4 * elems, "softmax output [b, np, S_in, S_in] fp32"))
-        probs_saved = False
         if meg.attention_dropout == 0:
             terms.append(Term("attn.probs", b * elems, "softmax cast to the training dtype (bmm's input)"))
     else:
         terms.append(Term("attn.softmax_out", b * elems, "softmax output [b, np, S_in, S_in]"))
-        probs_saved = meg.attention_dropout == 0
     if meg.attention_dropout > 0:
         terms += [Term("attn.dropout_mask", DROPOUT_MASK_BYTES * elems, "bool [b, np, S_in, S_in]"),
                   Term("attn.probs_dropped", b * elems, "dropout output (bmm's input)")]
-    del probs_saved
     return terms
 
 
