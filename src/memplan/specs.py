@@ -157,6 +157,55 @@ class AllocatorSpec(_Frozen):
         return ",".join(parts)
 
 
+class MegatronSpec(_Frozen):
+    """The Megatron flags that change activation memory (``model_impl="megatron"``). Field names follow
+    Megatron-DeepSpeed's megatron/arguments.py (microsoft/Megatron-DeepSpeed f4157bea); recompute granularity
+    is the job's ``checkpointing`` (none; selective = --recompute-granularity selective / --recompute-activations;
+    full = --checkpoint-activations or --recompute-granularity full); flash is the job's ``attention`` "flash"
+    (eager and sdpa both mean Megatron's unfused CoreAttention)."""
+
+    codebase: Literal["megatron-deepspeed", "megatron-core"] = Field(
+        "megatron-deepspeed", description="megatron-deepspeed: Megatron-DeepSpeed's GPT (pretrain_gpt.py); "
+        "megatron-core: megatron-core 0.16.1's GPTModel with the local layer spec, as memplan's harness builds it")
+    flash_variant: Literal["v1", "v2", "triton", "builder"] = Field(
+        "v2", description="--use-flash-attn(-v1) / -v2 / -triton / -builder, when attention is flash")
+    recompute_method: Literal["uniform", "block"] = Field("uniform", description="--recompute-method (full only)")
+    recompute_num_layers: int = Field(1, gt=0, description="--recompute-num-layers / --checkpoint-num-layers")
+    distribute_saved_activations: bool = Field(False, description="--distribute-saved-activations (tp > 1)")
+    masked_softmax_fusion: bool = Field(True, description="False: --no-masked-softmax-fusion")
+    bias_gelu_fusion: bool = Field(True, description="False: --no-bias-gelu-fusion")
+    bias_dropout_fusion: bool = Field(True, description="False: --no-bias-dropout-fusion")
+    attention_softmax_in_fp32: bool = Field(
+        True, description="softmax in fp32 on the unfused path (Megatron-DeepSpeed: on unless "
+        "--no-query-key-layer-scaling without --attention-softmax-in-fp32)")
+    hidden_dropout: float = Field(0.1, ge=0, lt=1, description="--hidden-dropout")
+    attention_dropout: float = Field(0.1, ge=0, lt=1, description="--attention-dropout")
+    deepspeed_activation_checkpointing: bool = Field(False, description="--deepspeed-activation-checkpointing")
+    partition_activations: bool = Field(False, description="--partition-activations (DeepSpeed checkpointing)")
+    contigious_checkpointing: bool = Field(False, description="--contigious-checkpointing (Megatron's spelling)")
+    checkpoint_in_cpu: bool = Field(False, description="--checkpoint-in-cpu (DeepSpeed checkpointing)")
+    pipeline_engine: bool = Field(
+        True, description="GPTModelPipe under DeepSpeed's PipelineEngine (False: --no-pipeline-parallel)")
+    make_vocab_size_divisible_by: int = Field(128, gt=0, description="--make-vocab-size-divisible-by")
+    mem_efficient_ln: bool = Field(
+        True, description="apex's memory-efficient LayerNorm saves its output, not its input (False: "
+        "--disable-mem-efficient-ln; megatron-core's local spec uses torch.nn.LayerNorm, which saves the input)")
+
+    @model_validator(mode="after")
+    def _check(self) -> MegatronSpec:
+        deepspeed_only = [f for f in ("deepspeed_activation_checkpointing", "partition_activations",
+                                      "contigious_checkpointing", "checkpoint_in_cpu") if getattr(self, f)]
+        if self.codebase == "megatron-core" and deepspeed_only:
+            raise ValueError(f"megatron {deepspeed_only[0]} is DeepSpeed activation checkpointing, which "
+                             "megatron-core does not have; allowed: codebase megatron-deepspeed")
+        if (self.partition_activations or self.checkpoint_in_cpu or self.contigious_checkpointing) and not \
+                self.deepspeed_activation_checkpointing:
+            raise ValueError("megatron partition_activations / checkpoint_in_cpu / contigious_checkpointing need "
+                             "--deepspeed-activation-checkpointing (megatron/initialize.py configures DeepSpeed's "
+                             "checkpointing only then)")
+        return self
+
+
 class TrainingSpec(_Frozen):
     """What one rank does per step: tokens, dtype, checkpointing, attention, optimizer, ZeRO."""
 
@@ -181,6 +230,18 @@ class TrainingSpec(_Frozen):
                                     "lm_head, norms, layers:N (the first N layers)")
     allocator: AllocatorSpec = AllocatorSpec()
     model_impl: ModelImpl = Field("transformers", description="which code builds the model")
+    megatron: MegatronSpec = Field(MegatronSpec(), description="Megatron's memory flags (model_impl megatron)")
+
+    @model_validator(mode="after")
+    def _check_megatron(self) -> TrainingSpec:
+        if self.model_impl != "megatron":
+            return self
+        if self.lora is not None or self.freeze:
+            raise ValueError("model_impl megatron trains every parameter (Megatron-DeepSpeed has no LoRA or "
+                             "frozen groups); allowed: no --lora-*/--peft-config/--freeze")
+        if self.loop == "hf-trainer":
+            raise ValueError("model_impl megatron runs Megatron's own training loop; allowed: --loop outputs or loss")
+        return self
 
     @model_validator(mode="after")
     def _check_freeze(self) -> TrainingSpec:

@@ -104,8 +104,12 @@ def _training(ctx: dict, model: ModelSpec) -> TrainingSpec:
             training["checkpointing"] = "full"
         elif launch.has("--recompute-activations") or launch.script_value("--recompute-granularity") == "selective":
             training["checkpointing"] = "selective"
-        flash = any(launch.has(f) for f in ("--use-flash-attn-v2", "--use-flash-attn", "--use-flash-attn-v1"))
+        flash = any(launch.has(f) for f in ("--use-flash-attn-v2", "--use-flash-attn", "--use-flash-attn-v1",
+                                            "--use-flash-attn-triton", "--use-flash-attn-builder"))
         training["attention"] = "flash" if flash else "eager"
+        from ..megatron.launch import megatron_spec_from_launch  # a Megatron-DeepSpeed launch builds Megatron's GPT
+
+        training.update(model_impl="megatron", megatron=megatron_spec_from_launch(launch))
     return TrainingSpec(seq_len=ctx["seq"] or model.max_position_embeddings, zero=ZeroSpec(**zero), **training)
 
 

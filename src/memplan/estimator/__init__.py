@@ -75,6 +75,10 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     """What in this job's figure rests on no measurement in benchmarks/accuracy/ (said in the output)."""
     t, z, lay = job.training, job.training.zero, job.layout
     notes = []
+    if t.model_impl == "megatron":  # Megatron's GPT: its own notes (memplan.megatron.notes)
+        from ..megatron import measurement_notes as megatron_notes
+
+        notes += megatron_notes(job)
     if "nvme" in (z.offload_optimizer, z.offload_param):
         notes.append("NVMe offload is modelled from DeepSpeed's code but not measured (no NVMe rows)")
     if t.checkpointing == "selective":

@@ -24,8 +24,11 @@ LAUNCH_FLAGS = {
 }
 
 
-def _launch_argv(path: str) -> list[str]:
+def _launch_argv(path: str) -> tuple[list[str], Any]:
+    """The job flags of a launch line, and its MegatronSpec when it is a Megatron-DeepSpeed line (which
+    implies --model-impl megatron) or None."""
     from ..check.launch import parse_launch, read_launch_file
+    from ..check.rules_job import is_megatron
 
     launch = parse_launch(read_launch_file(path))
     argv: list[str] = []
@@ -33,7 +36,17 @@ def _launch_argv(path: str) -> list[str]:
         value = launch.script_value(flag)
         if value:
             argv += [ours, value]
-    return argv
+    if not is_megatron(launch):
+        return argv, None
+    from ..megatron.launch import megatron_spec_from_launch
+
+    flash = any(launch.has(f) for f in ("--use-flash-attn-v2", "--use-flash-attn", "--use-flash-attn-v1",
+                                        "--use-flash-attn-triton", "--use-flash-attn-builder"))
+    full = launch.has("--checkpoint-activations") or launch.script_value("--recompute-granularity") == "full"
+    selective = launch.has("--recompute-activations") or launch.script_value("--recompute-granularity") == "selective"
+    argv += ["--model-impl", "megatron", "--attention", "flash" if flash else "eager",
+             "--checkpointing", "full" if full else ("selective" if selective else "none")]
+    return argv, megatron_spec_from_launch(launch)
 
 
 def user_job(args: argparse.Namespace, seq_len: int, world: int, gpus_per_node: int):
@@ -46,11 +59,21 @@ def user_job(args: argparse.Namespace, seq_len: int, world: int, gpus_per_node: 
 
         load_ds_config(args.ds_config)  # unreadable or malformed: exit 2 before anything else
         argv += ["--ds-config", args.ds_config]
+    megatron = None
     if args.launch_file:
-        argv += _launch_argv(args.launch_file)
+        more, megatron = _launch_argv(args.launch_file)
+        argv += more
     parser = argparse.ArgumentParser(add_help=False)
     add_job_arguments(parser)
-    return job_from_args(parser.parse_args(argv))
+    job = job_from_args(parser.parse_args(argv))
+    if megatron is None:
+        return job
+    from ..specs import Job
+
+    training = job.training.model_dump()
+    training["megatron"] = megatron.model_dump()
+    return Job.model_validate({"model": job.model.model_dump(), "training": training,
+                               "layout": job.layout.model_dump()})
 
 
 def user_verdict(args: argparse.Namespace, result: PlanResult) -> tuple[dict[str, Any], list[str]]:
