@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..specs import ModelSpec
+from .pipeline import SUPPORTED_FAMILIES as PP_FAMILIES
 
 #: bump whenever a weight, table or rule below changes what a seed draws
 SAMPLER_VERSION = "1"
@@ -82,9 +83,11 @@ FREEZE_CHOICES = ("embeddings", "norms", "layers:quarter", "embeddings,lm_head")
 #: the docs' Trainer templates (transformers docs, DeepSpeed integration) as published, "auto" included
 HF_TEMPLATES = {2: "examples/hf-trainer/ds_config_zero2.json", 3: "examples/hf-trainer/ds_config_zero3.json"}
 HF_ZERO_WEIGHTS = {2: 0.4, 3: 0.6}
-#: the families the harness measures with AutoTP (committed rows) and pipelines (verify.pipeline)
+#: the families the harness has measured with AutoTP (committed rows: Llama, Qwen2; the rest share their code)
 TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-PP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+#: tp and pp sizes (tp: world = tp·dp <= 8 real ranks on one node)
+TP_WEIGHTS = {2: 0.5, 4: 0.35, 8: 0.15}
+PP_WEIGHTS = {2: 0.5, 4: 0.35, 8: 0.15}
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ REGIME_PRESETS = {
     and p.spec.num_kv_heads % 4 == 0,
     "moe_z3": lambda p: p.spec.num_experts > 0,
     "tp_real": lambda p: p.family in TP_FAMILIES and p.full_size and p.params <= 4 * 10**9,
-    "pp": lambda p: p.family in PP_FAMILIES and p.full_size,
+    "pp": lambda p: p.family in PP_FAMILIES and p.full_size,  # the families verify.pipeline builds
     "z3_small_knobs": lambda p: True,
     "fp16_scaler": lambda p: True,
     "free": lambda p: True,
@@ -310,9 +313,21 @@ def _knobs(rng: random.Random, p: Preset, stage: int, regime: str, sp: int, dtyp
 
 
 def _lora_flags(p: Preset, design: LoraDesign) -> dict[str, Any]:
-    from ..peftconfig import DEFAULT_TARGETS
+    """Attention-only: peft's default targets for the family that the model has (else its attention input
+    projections by role); or all-linear."""
+    from ..params import linear_modules, parameter_tensors
+    from ..peftconfig import DEFAULT_TARGETS, module_matches
 
-    targets = "all-linear" if design.targets == "all-linear" else ",".join(DEFAULT_TARGETS[p.family])
+    if design.targets == "all-linear":
+        targets = "all-linear"
+    else:
+        linears = linear_modules(p.spec)
+        names = [t for t in DEFAULT_TARGETS.get(p.family, ()) if any(module_matches(m, t) for m in linears)]
+        if not names:
+            leaves = {t.name.removesuffix(".weight").rsplit(".", 1)[-1] for t in parameter_tensors(p.spec)
+                      if t.role == "attn_in" and t.name.endswith(".weight")}
+            names = sorted(leaves)
+        targets = ",".join(names)
     return {"--lora-rank": design.rank, "--lora-targets": targets, "--lora-dropout": design.dropout}
 
 
@@ -358,13 +373,13 @@ def draw(slot: Slot, rng: random.Random, relax: int = 0) -> Draw:
     sp = 1 if hf or regime in ("tp_real", "pp") else _sp(rng, p, seq, regime, attention)
     needs = 1
     if regime == "tp_real":
-        ok = [t for t in (2, 4) if p.spec.num_heads % t == 0 and p.spec.num_kv_heads % t == 0]
-        tp = rng.choice(ok) if ok else 1
-        world = tp * pick(rng, {1: 0.7, 2: 0.3})
+        ok = {t: w for t, w in TP_WEIGHTS.items() if p.spec.num_heads % t == 0 and p.spec.num_kv_heads % t == 0}
+        tp = pick(rng, ok) if ok else 1
+        world = tp * pick(rng, {d: w for d, w in {1: 0.7, 2: 0.3}.items() if tp * d <= 8})
         needs = world
     elif regime == "pp":
         layers = cut or p.spec.num_layers
-        pp = pick(rng, {k: w for k, w in {2: 0.6, 4: 0.4}.items() if layers >= k})
+        pp = pick(rng, {k: w for k, w in PP_WEIGHTS.items() if layers >= k})
         world = _world(rng, pp * sp)
     else:
         world = _world(rng, sp, 64)
