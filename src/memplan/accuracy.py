@@ -3,17 +3,28 @@
 Each row is one `memplan verify` report (JSON lines, one object a line) with the Job, the environment,
 the exact command and the measured peaks. A row measured at reduced depth (``layers``) is compared at
 each depth it was measured at, with the model cut to that many layers.
+
+Rows drawn by memplan.verify.sample carry ``"split"``: "fit" (the model may be tuned on them) or "check"
+(held out: the README quotes it); hand-written rows have none and report as HAND_WRITTEN. `by_group` gives
+median and worst |error| per split or per loop. `python -m memplan.accuracy [--split fit|check] [--loop L]
+[PATH ...]` prints the table (default: benchmarks/accuracy/).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .specs import Job
+
+#: the split of a row that carries none (the hand-written matrices)
+HAND_WRITTEN = "hand-written"
+SPLITS = ("fit", "check")
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,8 @@ class Comparison:
     predicted_bytes: int
     measured_phase: str | None
     predicted_phase: str
+    split: str = HAND_WRITTEN
+    loop: str = "loss"
 
     @property
     def error(self) -> float:
@@ -33,8 +46,9 @@ class Comparison:
 
 
 def iter_rows(folder: Path) -> Iterator[dict]:
-    """Every row of every rows*.jsonl file under ``folder``, in file order."""
-    for path in sorted(folder.glob("rows*.jsonl")):
+    """Every row of every rows*.jsonl file under ``folder`` (or of the file ``folder``), in file order."""
+    paths = [folder] if folder.is_file() else sorted(folder.glob("rows*.jsonl"))
+    for path in paths:
         for line in path.read_text().splitlines():
             if line.strip():
                 yield json.loads(line)
@@ -81,7 +95,8 @@ def compare_rows(rows) -> list[Comparison]:
         for name, job, measured, phase in _measured_points(row):
             never_stepped = row.get("skipped_steps", 0) >= row.get("steps", 3)
             q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped)
-            out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase))
+            out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase,
+                                  split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop))
     return out
 
 
@@ -89,3 +104,57 @@ def summary(comparisons: list[Comparison]) -> tuple[float, float]:
     """(median |error|, worst |error|)."""
     errs = [abs(c.error) for c in comparisons]
     return statistics.median(errs), max(errs)
+
+
+def by_group(comparisons: Iterable[Comparison], key: str) -> dict[str, tuple[int, float, float]]:
+    """{split or loop: (points, median |error|, worst |error|)}; ``key`` is "split" or "loop"."""
+    groups: dict[str, list[Comparison]] = {}
+    for c in comparisons:
+        groups.setdefault(getattr(c, key), []).append(c)
+    return {k: (len(v), *summary(v)) for k, v in sorted(groups.items())}
+
+
+def select(comparisons: Iterable[Comparison], split: str | None = None, loop: str | None = None) -> list[Comparison]:
+    """The comparisons of one split and/or one loop."""
+    return [c for c in comparisons if (split is None or c.split == split) and (loop is None or c.loop == loop)]
+
+
+def table_lines(comparisons: list[Comparison]) -> list[str]:
+    """The accuracy table, worst first, then the whole and per-split / per-loop summaries."""
+    from .units import GiB
+
+    head = f"{'job':48} {'split':12} {'loop':10} {'measured GiB':>12} {'predicted GiB':>13} {'error':>7}  "
+    lines = [head + "phase (meas / pred)"]
+    for c in sorted(comparisons, key=lambda c: abs(c.error), reverse=True):
+        lines.append(f"{c.name:48} {c.split:12} {c.loop:10} {c.measured_bytes / GiB:12.3f} "
+                     f"{c.predicted_bytes / GiB:13.3f} {c.error:+7.2%}  {c.measured_phase} / {c.predicted_phase}")
+    if not comparisons:
+        return lines + ["0 points"]
+    median, worst = summary(comparisons)
+    lines.append(f"{len(comparisons)} points: median |error| {median:.2%}, worst {worst:.2%}")
+    for key in ("split", "loop"):
+        for name, (n, med, wst) in by_group(comparisons, key).items():
+            lines.append(f"  {key} {name}: {n} points, median |error| {med:.2%}, worst {wst:.2%}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the accuracy table of committed (or given) verify rows, optionally one split / loop only."""
+    p = argparse.ArgumentParser(prog="python -m memplan.accuracy", description=main.__doc__)
+    p.add_argument("paths", nargs="*", help="rows*.jsonl files or folders (default: benchmarks/accuracy/)")
+    p.add_argument("--split", choices=(*SPLITS, HAND_WRITTEN), help="only rows of this split")
+    p.add_argument("--loop", choices=("outputs", "loss", "hf-trainer"), help="only rows of this loop")
+    args = p.parse_args(argv)
+    paths = [Path(x) for x in args.paths] or [Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy"]
+    for path in paths:
+        if not path.exists():
+            sys.stderr.write(f"memplan: error: paths: {str(path)[:80]!r} does not exist; allowed: rows*.jsonl "
+                             "files or folders\n")
+            return 2
+    comparisons = select(compare_rows(r for path in paths for r in iter_rows(path)), args.split, args.loop)
+    print("\n".join(table_lines(comparisons)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
