@@ -135,7 +135,8 @@ class Recorder:
                 from ..allocator.trace import compact_trace, write_trace
 
                 path = os.path.join(out_dir, f"trace-rank{rank}.json.gz")
-                write_trace(path, compact_trace(snapshot), {"phases": self.labels, "alloc_conf": os.environ.get(
+                write_trace(path, compact_trace(snapshot, max_entries=TRACE_MAX_ENTRIES), {
+                    "phases": self.labels, "alloc_conf": os.environ.get(
                     "PYTORCH_CUDA_ALLOC_CONF", "")})
                 out["trace_file"] = path
             except Exception as exc:  # noqa: BLE001 - a trace is a side product; the row says why it is missing
