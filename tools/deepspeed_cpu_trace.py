@@ -22,8 +22,10 @@ cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 1024, "nu
 zero = {"stage": stage, "reduce_bucket_size": 500000, "contiguous_gradients": True}
 zero.update(extra.get("zero", {}))
 ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": extra.get("ga",1), "train_batch_size": world*extra.get("ga",1),
-      "bf16": {"enabled": True}, "zero_optimization": zero,
-      "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
+      "bf16": {"enabled": not extra.get("fp16")}, "fp16": {"enabled": bool(extra.get("fp16")), "initial_scale_power": 1},
+      "zero_optimization": zero,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}} if not extra.get("offload") else
+                   {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
 import functools
 import inspect
 
@@ -54,9 +56,9 @@ def run_all():
     global engine
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds):
-            model = tiny_causal_lm(cfg, attention="sdpa")
+            model = tiny_causal_lm(cfg, "fp16" if extra.get("fp16") else "bf16", attention="sdpa")
     else:
-        model = tiny_causal_lm(cfg, attention="sdpa")
+        model = tiny_causal_lm(cfg, "fp16" if extra.get("fp16") else "bf16", attention="sdpa")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     ids = torch.randint(0, 1000, (1, 128))
     for s in range(2):

@@ -94,10 +94,31 @@ def compare_rows(rows) -> list[Comparison]:
             continue
         for name, job, measured, phase in _measured_points(row):
             never_stepped = row.get("skipped_steps", 0) >= row.get("steps", 3)
-            q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped)
+            q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped,
+                           skipped=skipped_steps(row))
             out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase,
                                   split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop))
     return out
+
+
+def skipped_steps(row: dict) -> tuple[int, ...]:
+    """The indices of the measured optimizer steps the fp16 loss scaler skipped: the row's own record, or (rows
+    measured before verify recorded which) the first ``skipped_steps`` of them."""
+    if row.get("skipped_step_indices") is not None:
+        return tuple(row["skipped_step_indices"])
+    count = int(row.get("skipped_steps") or 0)
+    steps = int(row.get("steps") or 3)
+    if not count or count >= steps:
+        return tuple(range(min(count, steps)))
+    # older rows: the first step that succeeded is the one whose end holds more than its backward's end (the
+    # optimizer created its states); the steps before it were skipped, the remaining skips came last
+    ends = {p["name"]: p.get("allocated_end_bytes") or 0 for p in row.get("phases") or []}
+    micro = int((row.get("job") or {}).get("training", {}).get("grad_accum", 1)) - 1
+    first = next((s for s in range(steps) if ends.get(f"step{s}.micro{micro}.step", 0)
+                  > ends.get(f"step{s}.micro{micro}.backward", 0)), 0)
+    skipped = list(range(first))
+    skipped += list(range(steps - (count - len(skipped)), steps)) if count > len(skipped) else []
+    return tuple(sorted(set(skipped)))
 
 
 def summary(comparisons: list[Comparison]) -> tuple[float, float]:

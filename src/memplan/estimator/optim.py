@@ -4,8 +4,9 @@ temporaries each implementation makes while it runs. ``n`` is the number of fp32
 - adamw → DeepSpeed's FusedAdam (ops/adam/fused_adam.py): exp_avg and exp_avg_sq (zeros_like the master) at
   the first step; multi_tensor_apply allocates nothing per step.
 - torch_adamw → torch.optim.AdamW, foreach (torch/optim/adamw.py → adam.py _multi_tensor_adam): the same two
-  states; per step ``torch._foreach_sqrt(exp_avg_sqs)`` and the out-of-place division by the bias correction,
-  one tensor of the master's size each, freed when the step returns.
+  states; per step ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``, one tensor of the master's size,
+  then only in-place foreach ops (div_, add_, addcdiv_: fused CUDA kernels; the CPU's addcdiv fallback makes one
+  more temporary, which a CUDA run does not), freed when the step returns.
 - torch_adamw_fused → torch.optim.AdamW(fused=True) (_fused_adamw): the two states, nothing per step.
 - sgd → torch.optim.SGD with momentum: momentum_buffer = clone(grad) at the first step; nothing per step.
 - lion → DeepSpeed's FusedLion: exp_avg only.
@@ -23,7 +24,7 @@ FP32 = 4
 #: optimizer → (state tensors per master element, fp32 temporaries of the master's size per step)
 KINDS = {
     "adamw": (("exp_avg", "exp_avg_sq"), 0),
-    "torch_adamw": (("exp_avg", "exp_avg_sq"), 2),
+    "torch_adamw": (("exp_avg", "exp_avg_sq"), 1),
     "torch_adamw_fused": (("exp_avg", "exp_avg_sq"), 0),
     "sgd": (("momentum_buffer",), 0),
     "lion": (("exp_avg",), 0),

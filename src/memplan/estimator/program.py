@@ -68,7 +68,8 @@ def _engine(L: Ledger, job: Job, trainable):
     if z.stage in (1, 2):
         group = FlatGroup(names, numels, lay.zero_group, 0)
         comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
-        return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap, t.grad_accum, opt, comm)
+        return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap, t.grad_accum, opt, comm,
+                      offload=z.offload_optimizer != "none")
     g = dtype_bytes(t.grad_accum_dtype or t.dtype)
     comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
     all_names = [p.name for p in parameter_tensors(job.model)]
@@ -81,9 +82,10 @@ def shape(job: Job) -> Shape:
     return Shape(t.micro_batch, t.seq_len // lay.sp, t.seq_len, dtype_bytes(t.dtype), positions_given=lay.sp > 1)
 
 
-def build_ledger(job: Job, steps: int = 3, stepped: bool = True) -> Ledger:
-    """The job's allocation ledger on rank 0 (see the module docstring). ``stepped=False``: every optimizer
-    step is skipped (fp16's loss scaler on overflow), so no optimizer state is ever created."""
+def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
+    """The job's allocation ledger on rank 0 (see the module docstring). ``skipped``: the optimizer steps
+    (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds)."""
+    skipped = frozenset(skipped)
     t = job.training
     L = Ledger()
     L.mark("init")
@@ -113,6 +115,7 @@ def build_ledger(job: Job, steps: int = 3, stepped: bool = True) -> Ledger:
 
         layer_fn = nonreentrant(ag)
     kept = None  # the loop's ``outputs``: logits of the last forward
+    stepped_yet = False
     for step in range(steps):
         for micro in range(t.grad_accum):
             L.mark(f"step{step}.micro{micro}.forward")
@@ -132,9 +135,13 @@ def build_ledger(job: Job, steps: int = 3, stepped: bool = True) -> Ledger:
             ag.release(out.loss)
             engine.end_backward(ag, boundary)
             L.mark(f"step{step}.micro{micro}.step")
-            if boundary and stepped:
+            if boundary and step in skipped:
+                engine.skip(ag)
+            elif boundary:
+                first = not stepped_yet
+                stepped_yet = True
                 if isinstance(engine, Zero0):
-                    engine.step(ag, step == 0)
+                    engine.step(ag, first)
                 else:
-                    engine.step(step == 0)
+                    engine.step(first)
     return L

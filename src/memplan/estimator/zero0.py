@@ -64,6 +64,12 @@ class Zero0:
                 self.L.free(self.L.alloc("engine.allreduce_flat", self.b * n, "grad_bucket"))
                 left -= n
 
+    def skip(self, ag: Autograd) -> None:
+        """An overflowing fp16 step: FP16_Optimizer drops the 16-bit grads and returns (_skip_invalid_grad_norm)."""
+        for g in self.grads.values():
+            ag.release(g)
+        self.grads.clear()
+
     def step(self, ag: Autograd, first: bool) -> None:
         L = self.L
         if not self.mixed:

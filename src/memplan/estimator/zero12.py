@@ -81,7 +81,8 @@ class Zero12:
     """The DeepSpeedZeroOptimizer's allocations (see the module docstring)."""
 
     def __init__(self, ledger: Ledger, stage: int, groups: list[FlatGroup], b: int, reduce_bucket: int,
-                 overlap_comm: bool, grad_accum: int, optimizer: Optimizer, comm_bytes: int | None = None):
+                 overlap_comm: bool, grad_accum: int, optimizer: Optimizer, comm_bytes: int | None = None,
+                 offload: bool = False):
         self.L, self.stage, self.groups, self.b = ledger, stage, groups, b
         self.rbs, self.overlap, self.ga, self.opt = reduce_bucket, overlap_comm, grad_accum, optimizer
         self.comm_b = comm_bytes or b  # fp32 under Ulysses (seq_parallel_communication_data_type)
@@ -94,6 +95,7 @@ class Zero12:
         self.held: dict[str, Tensor] = {}  # stage 1 / accumulation: param.grad kept whole
         self.micro = 0
         self.stream = REDUCTION_STREAM if overlap_comm else 0
+        self.offload = offload  # offload_optimizer: fp32 master, grads and states live on the host
 
     # -- init -------------------------------------------------------------------------------------------
     def initialize(self, param_ids: dict[str, int]) -> None:
@@ -104,11 +106,16 @@ class Zero12:
             for name in grp.names:
                 if name in param_ids:
                     L.free(param_ids.pop(name))
-        for grp in self.groups:
+        for grp in self.groups:  # .detach().clone().to(device=self.device, dtype=fp32): host under offload
             clone = L.alloc("zero.partition_clone", b * grp.partition, "master_params_fp32")
-            self.masters.append(L.alloc("zero.single_partition_of_fp32_groups", FP32 * grp.partition,
-                                        "master_params_fp32"))
+            if not self.offload:
+                self.masters.append(L.alloc("zero.single_partition_of_fp32_groups", FP32 * grp.partition,
+                                            "master_params_fp32"))
             L.free(clone)
+        if self.offload:  # temp_grad_buffer_for_gpu_offload: zeros [largest parameter] on the GPU
+            largest = max(n for grp in self.groups for n in grp.numels)
+            L.alloc("zero.temp_grad_buffer_for_gpu_offload", b * largest, "offload_staging")
+            return
         for grp in self.groups:  # initialize_optimizer_states: a zero fp32 grad, dropped again
             L.free(L.alloc("zero.initial_grad", FP32 * grp.partition, "optimizer_step_transient"))
 
@@ -171,7 +178,10 @@ class Zero12:
         for name, kept in self.bucket_params:
             g, i = self.index[name]
             if self.groups[g].in_partition(i):
-                self._copy_to_partition()
+                if self.offload:
+                    self._offload_piece(self.groups[g].overlap(i))
+                else:
+                    self._copy_to_partition()
             if kept is not None:
                 ag.release(kept)
         self.bucket_params, self.bucket_elements = [], 0
@@ -184,6 +194,13 @@ class Zero12:
             L.free(L.alloc("zero.allreduce_fp32", self.comm_b * elements, "grad_bucket", stream))
         if flat is not None:
             L.free(flat)
+
+    def _offload_piece(self, n: int) -> None:
+        """copy_grads_in_partition under cpu_offload at the boundary: set_norm_for_param_grad_in_gpu (the piece
+        in fp64) and async_inplace_copy_grad_to_fp32_buffer_from_gpu (the piece cast to fp32, copied out)."""
+        L, s = self.L, self.stream
+        L.free(L.alloc("zero.offload_norm_fp64", FP64 * n, "offload_staging", s))
+        L.free(L.alloc("zero.offload_grad_fp32", FP32 * n, "offload_staging", s))
 
     def _copy_to_partition(self) -> None:
         if self.grads_in_partition is None:
@@ -209,9 +226,16 @@ class Zero12:
         self.micro += 1
 
     # -- step -----------------------------------------------------------------------------------------
+    def skip(self, ag: Autograd) -> None:
+        """An overflowing fp16 step: grads set to None, grads_in_partition kept for the next step."""
+        self.micro = 0
+
     def step(self, first: bool) -> None:
         """DeepSpeedZeroOptimizer.step at a boundary."""
         L, b = self.L, self.b
+        if self.offload:  # the norm and the optimizer run on the host (DeepSpeedCPUAdam)
+            self.micro = 0
+            return
         for grp in self.groups:  # scaled_global_norm → get_grad_norm_direct: one fp64 piece at a time
             for i in range(len(grp.numels)):
                 n = grp.overlap(i)

@@ -237,13 +237,20 @@ class Zero3(ModuleHooks):
         return set()
 
     # -- step -------------------------------------------------------------------------------------------
-    def step(self, first: bool) -> None:
-        L = self.L
+    def _partition_all(self) -> None:
         for p in list(self.avail):  # _partition_all_parameters
             self._release(p)
         for p in list(self.inflight):
             self._wait(p)
             self._release(p)
+
+    def skip(self, ag: Autograd) -> None:
+        """An overflowing fp16 step: parameters partitioned, then step() returns before the optimizer."""
+        self._partition_all()
+
+    def step(self, first: bool) -> None:
+        L = self.L
+        self._partition_all()
         trained = [k for k in self.order if k in self.trainable]
         for p in trained:  # _get_norm_groups → get_grad_norm_direct: each grad partition in fp64
             L.free(L.alloc("zero3.norm_fp64", FP64 * self.part[p], "optimizer_step_transient"))

@@ -81,6 +81,7 @@ class Recorder:
         self.meter = meter
         self.trace = trace and meter.cuda
         self.labels: list[str] = []
+        self.skipped: list[int] = []  # optimizer steps the fp16 loss scaler skipped
         self.phases: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
         self.current: str | None = None

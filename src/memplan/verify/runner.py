@@ -242,7 +242,7 @@ def _assemble(job: Job, runs: list[dict[str, Any]], layers: int | None) -> dict[
         chosen = failed or loaded[-1]
     keys = ("status", "error", "phases", "peak_allocated_bytes", "peak_reserved_bytes", "peak_phase",
             "init_peak_allocated_bytes", "init_peak_reserved_bytes", "timeline", "oom_phase",
-            "skipped_steps", "global_steps", "process_gpu_bytes", "torch_reserved_end_bytes", "trace_file",
+            "skipped_steps", "skipped_step_indices", "global_steps", "process_gpu_bytes", "torch_reserved_end_bytes", "trace_file",
             "trainable_params", "frozen_params")
     out.update({k: chosen.get(k) for k in keys})
     if failed is not None and layers is not None:

@@ -138,8 +138,11 @@ def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_ra
                 if hooks:
                     hooks.remove()
                 rec.begin(f"step{s}.micro{m}.step")
+                before = int(getattr(engine, "skipped_steps", 0))
                 engine.step()
                 rec.end()
+                if m == t.grad_accum - 1 and int(getattr(engine, "skipped_steps", 0)) > before:
+                    rec.skipped.append(s)  # the fp16 loss scaler skipped this optimizer step
                 del ids
     del outputs
 
@@ -193,6 +196,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             train(engine, model, job, rec, task["steps"], device, sp_rank)
         # steps the loss scaler / overflow check skipped: until one succeeds no optimizer state exists
         row["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
+        row["skipped_step_indices"] = list(rec.skipped)
         row["global_steps"] = int(getattr(engine, "global_steps", 0))
     except Unsupported as exc:
         row.update(status="unsupported", error=str(exc))
