@@ -337,7 +337,7 @@ def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
     return fields, source
 
 
-def trainer_job_of(args: argparse.Namespace):
+def trainer_job_of(args: argparse.Namespace, num_training_steps: int | None = None):
     """memplan.hf.job.TrainerJob for --loop hf-trainer / --training-args (None otherwise): the arguments from
     the file (or transformers' defaults) with the job flags written in, the DeepSpeed config from --ds-config
     (or the arguments' deepspeed), "auto" filled for the model and --gpus."""
@@ -353,7 +353,7 @@ def trainer_job_of(args: argparse.Namespace):
     targs = hfjob.with_job_flags(load_training_args(path) if path else TrainingArgs(), _explicit_fields(args))
     model = _load_model(getattr(args, "model", None) or DEFAULT_MODEL)
     job = hfjob.trainer_job(_trainer_ds_config(args, targs), targs, model=model,
-                            world=getattr(args, "gpus", None) or DEFAULT_GPUS)
+                            world=getattr(args, "gpus", None) or DEFAULT_GPUS, num_training_steps=num_training_steps)
     hfjob.raise_first(job, "--training-args" if path else "TrainingArguments")
     return job
 

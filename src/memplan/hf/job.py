@@ -90,6 +90,7 @@ class TrainerJob:
     """What the Trainer makes of the inputs."""
 
     args: TrainingArgs
+    ds_config: dict | None  # the DeepSpeed JSON as given ("auto" and all)
     fill: AutoFill | None  # None: no DeepSpeed config (the Trainer without --deepspeed)
     fields: dict[str, Any] = field(default_factory=dict)  # TrainingSpec fields the Trainer decides
     problems: list[Problem] = field(default_factory=list)  # what stops the launch
@@ -167,7 +168,8 @@ def trainer_job(ds_config: dict | None, args: TrainingArgs, *, model: ModelSpec 
         fill = fill_auto(ds_config, args, world=world, hidden=hidden_for(model), num_training_steps=steps)
     problems = [] if fill is None else [mismatch_problem(m) for m in fill.mismatches] + list(fill.problems)
     fields = _fields(args, fill, problems)
-    return TrainerJob(args=args, fill=fill, fields=fields, problems=problems, notes=_notes(args, fill))
+    return TrainerJob(args=args, ds_config=ds_config, fill=fill, fields=fields, problems=problems,
+                      notes=_notes(args, fill))
 
 
 def mismatch_problem(m) -> Problem:
@@ -198,5 +200,19 @@ def raise_first(job: TrainerJob, args_label: str) -> None:
             raise InputError(problem_label(p, args_label), p.message)
 
 
+def verify_task(job: TrainerJob | None, args_label: str) -> dict | None:
+    """What memplan verify's worker needs to run the real Trainer (None: not the Trainer path): the arguments,
+    the DeepSpeed JSON as given (the Trainer fills it itself) and memplan's filled config, to compare. A job the
+    Trainer would refuse is refused here, before any GPU time is spent."""
+    if job is None:
+        return None
+    if job.fill is None:
+        raise InputError("--ds-config", "verify runs transformers' Trainer with --deepspeed: give the DeepSpeed "
+                         "JSON (for example examples/hf-trainer/ds_config_zero3.json)")
+    for p in job.problems:
+        raise InputError(problem_label(p, args_label), f"{p.message} ({p.raised_by}); the Trainer would stop there")
+    return {"training_args": job.args.model_dump(mode="json"), "deepspeed": job.ds_config, "ds_config": job.fill.config}
+
+
 __all__ = ["TrainerJob", "hidden_for", "hidden_of_config", "problem_label", "raise_first", "trainer_job",
-           "with_job_flags"]
+           "verify_task", "with_job_flags"]

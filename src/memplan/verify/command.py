@@ -44,8 +44,13 @@ def job_and_options(args: argparse.Namespace):
     if args.layers is not None and not 1 <= args.layers <= job.model.num_layers // 2:
         raise InputError("--layers", f"{args.layers} must be between 1 and half the model's depth "
                                      f"({job.model.num_layers} layers)")
+    from ..hf.job import verify_task
+    from ..options import trainer_job_of
+
+    hf = verify_task(trainer_job_of(args, num_training_steps=args.steps),
+                     "--training-args" if getattr(args, "training_args", None) else "TrainingArguments")
     return job, {"name": args.name, "steps": args.steps, "layers": args.layers, "launch": args.launch, "device": args.device,
-                     "timeout_s": float(args.timeout), "out_dir": args.out}
+                     "timeout_s": float(args.timeout), "out_dir": args.out, "hf": hf}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
