@@ -33,23 +33,23 @@ from . import hfbuild
 from .phases import Recorder, TimelineHooks
 
 
-def _unsupported(message: str):
-    from .worker import Unsupported
-
-    return Unsupported(message)
-
-
-def _check(task: dict[str, Any], job: Job) -> None:
+def unsupported_reason(task: dict[str, Any], job: Job) -> str | None:
+    """Why this harness cannot run ``job`` through the Trainer faithfully (None: it can)."""
     t, lay = job.training, job.layout
     if not task.get("hf"):
-        raise _unsupported("--loop hf-trainer needs the Trainer's inputs (memplan verify passes them)")
+        return "--loop hf-trainer needs the Trainer's inputs (memplan verify passes them)"
     if lay.tp > 1 or lay.sp > 1:
-        raise _unsupported("tp or sp > 1 through transformers' Trainer: not measured by this harness")
+        return "tp or sp > 1 through transformers' Trainer: not measured by this harness"
     if t.lora is not None or t.freeze:
-        raise _unsupported("LoRA or frozen groups through transformers' Trainer: not measured by this harness")
+        return "LoRA or frozen groups through transformers' Trainer: not measured by this harness"
     if task["device"] == "cpu" and lay.world > 1:
-        raise _unsupported(f"world {lay.world} on the CPU: accelerate counts one process without a CUDA device, so "
-                           "the Trainer's batch disagrees with DeepSpeed's; run world 1 on the CPU, or on a GPU")
+        return (f"world {lay.world} on the CPU: accelerate counts one process without a CUDA device, so the "
+                "Trainer's batch disagrees with DeepSpeed's; run world 1 on the CPU, or on a GPU")
+    return None
+
+
+class ProcessCountError(RuntimeError):
+    """accelerate did not adopt the emulated world (the Trainer's batch would disagree with DeepSpeed's)."""
 
 
 def _training_arguments(task: dict[str, Any], job: Job):
@@ -215,8 +215,7 @@ def _fill_check(task: dict[str, Any], job: Job, got: dict) -> list[str]:
 def run(task: dict[str, Any], job: Job, rec: Recorder, device: str, row: dict[str, Any]):
     """Train ``task["steps"]`` optimizer steps through a real Trainer; fills ``row``; returns the engine.
 
-    Called inside the worker's "init" phase; the phase ends when training begins."""
-    _check(task, job)
+    Called inside the worker's "init" phase (after unsupported_reason); the phase ends when training begins."""
     t, world = job.training, job.layout.world
     if task["mode"] == "emulated" and world > 1:
         _finite_gather()
@@ -233,7 +232,7 @@ def run(task: dict[str, Any], job: Job, rec: Recorder, device: str, row: dict[st
                            + ("; the model built by transformers' zero.Init (ZeRO-3)" if t.zero.stage == 3 else
                               "; the model built on the device in the training dtype"))
     if processes != world:
-        raise _unsupported(f"accelerate counts {processes} processes, the job has {world}")
+        raise ProcessCountError(f"accelerate counts {processes} processes on the fake group, the job has {world}")
     row["training_args"] = _json_safe(args.to_dict())
     with hfbuild_attention(job):
         trainer.train()
@@ -255,4 +254,4 @@ def hfbuild_attention(job: Job):
     return attention_context(job)
 
 
-__all__ = ["run"]
+__all__ = ["ProcessCountError", "run", "unsupported_reason"]

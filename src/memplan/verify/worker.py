@@ -163,6 +163,9 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             row.update(pipeline.stage_note(engine))
             pipeline.train(engine, config, job, rec, task["steps"], device)
         elif job.training.loop == "hf-trainer":  # a real transformers.Trainer (verify/trainer.py)
+            reason = trainer.unsupported_reason(task, job)
+            if reason:
+                raise Unsupported(reason)
             engine = trainer.run(task, job, rec, device, row)
         else:
             engine, model, sp_rank = initialize(task, job, device)
