@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
 from pydantic import ValidationError
 
 from ..dsconfig import apply_to_job_fields, load_ds_config
 from ..errors import InputError
-from ..specs import Job, Layout, ModelSpec, TrainingSpec, ZeroSpec
+from ..specs import Job, Layout, Loop, ModelSpec, TrainingSpec, ZeroSpec
 from . import rules_ds, rules_hf, rules_job
 from .findings import Finding, error, info, sort_findings
 from .launch import Launch, parse_launch, read_launch_file
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=_positive, metavar="N", help="tokens per sequence (default: --seq-length)")
     parser.add_argument("--gpu", metavar="NAME|SIZE", help="a100-80g, h100-80g, ... or a size")
     parser.add_argument("--target", metavar="SIZE", help="per-GPU budget, e.g. 24GiB")
-    parser.add_argument("--loop", choices=("outputs", "loss", "hf-trainer"),
+    parser.add_argument("--loop", choices=get_args(Loop),
                         help="the training loop; hf-trainer: transformers' Trainer fills the config's \"auto\" "
                              "(default: hf-trainer when --training-args or Trainer flags are given)")
     parser.add_argument("--training-args", metavar="FILE",
