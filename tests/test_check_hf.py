@@ -118,3 +118,25 @@ def test_verify_refuses_what_the_trainer_would_refuse(capsys):
     rc = verify_main(["--model", "llama-3.2-1b", "--loop", "hf-trainer", "--ds-config", ZERO3, "--device", "cpu"])
     assert rc == 2
     assert "scheduler.params.warmup_num_steps" in capsys.readouterr().err
+
+
+def test_loop_hf_trainer_alone_changes_only_the_loop(capsys):
+    base = ["estimate", "--model", "llama-3.2-1b", "--seq", "2048", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["job"]["training"]
+    assert main([*base, "--loop", "hf-trainer"]) == 0
+    trainer = json.loads(capsys.readouterr().out)["job"]["training"]
+    assert trainer["loop"] == "hf-trainer"
+    assert {k: v for k, v in trainer.items() if k != "loop"} == {k: v for k, v in plain.items() if k != "loop"}
+
+
+@pytest.mark.parametrize("head", ["deepspeed --num_gpus 8", "torchrun --nproc_per_node 8",
+                                  "accelerate launch --num_processes 8"])
+def test_the_launchers_agree(head, capsys):
+    line = (f"{head} train.py --deepspeed {ZERO3} --per_device_train_batch_size 2 --gradient_accumulation_steps 2 "
+            "--bf16 --warmup_steps 1")
+    rc, out = _check(capsys, "--ds-config", ZERO3, "--model", "llama-3.2-1b", "--seq", "2048", "--launch", line)
+    assert rc == 0, _by(out, "error")
+    job = out["estimate"]["job"]
+    assert (job["layout"]["world"], job["training"]["micro_batch"], job["training"]["grad_accum"]) == (8, 2, 2)
+    assert "train_batch_size=32" in _by(out, "info")["auto"]["message"]  # 8 · 2 · 2

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.hf.args import TrainingArgs
 from memplan.hf.autofill import HiddenSize, fill_auto
@@ -202,3 +204,41 @@ def test_estimate_json_shows_the_trainers_zero_values(reference, capsys):
         assert zero[key] == real[key], key
     assert (zero["offload_optimizer"], zero["offload_param"]) == (real["offload_optimizer"]["device"],
                                                                  real["offload_param"]["device"])
+
+
+# --- properties ----------------------------------------------------------------------------------------------
+
+_LEAVES = sorted(_flat(ZERO3))
+
+
+def _unflat(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sets(st.sampled_from(_LEAVES)), st.integers(1, 16384), st.integers(1, 64), st.integers(1, 8),
+       st.integers(1, 16), st.sampled_from(["bf16", "fp16", "fp32"]), st.integers(1, 5))
+def test_the_trainer_fills_auto_and_never_overwrites_a_written_value(dropped, hidden, world, micro, accum, dtype,
+                                                                     warmup):
+    flat = {k: v for k, v in _flat(ZERO3).items() if k not in dropped or k == "zero_optimization.stage"}
+    cfg = _unflat(flat)
+    args = TrainingArgs(per_device_train_batch_size=micro, gradient_accumulation_steps=accum, bf16=dtype == "bf16",
+                        fp16=dtype == "fp16", warmup_steps=warmup)
+    out = fill_auto(cfg, args, world=world, hidden=HiddenSize(hidden, hidden), num_training_steps=10)
+    filled = _flat(out.config)
+    for key, value in flat.items():
+        if value != "auto" and key != "steps_per_print":
+            assert filled[key] == value, key  # written values are kept (a contradiction is a mismatch instead)
+    assert not out.mismatches and not out.problems
+    assert "auto" not in filled.values()
+    if "zero_optimization.reduce_bucket_size" in flat:
+        assert filled["zero_optimization.reduce_bucket_size"] == hidden * hidden
+    if "train_batch_size" in flat:
+        assert filled["train_batch_size"] == world * micro * accum

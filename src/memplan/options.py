@@ -338,9 +338,9 @@ def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
 
 
 def trainer_job_of(args: argparse.Namespace, num_training_steps: int | None = None):
-    """memplan.hf.job.TrainerJob for --loop hf-trainer / --training-args (None otherwise): the arguments from
-    the file (or transformers' defaults) with the job flags written in, the DeepSpeed config from --ds-config
-    (or the arguments' deepspeed), "auto" filled for the model and --gpus."""
+    """memplan.hf.job.TrainerJob for --loop hf-trainer with a --ds-config, or --training-args (None otherwise):
+    the arguments from the file (or transformers' defaults) with the job flags written in, the DeepSpeed config
+    from --ds-config (or the arguments' deepspeed), "auto" filled for the model and --gpus."""
     loop, path = getattr(args, "loop", None), getattr(args, "training_args", None)
     if path is not None and loop not in (None, "hf-trainer"):
         raise InputError("--training-args", f"describes transformers' Trainer; it needs --loop hf-trainer (given: "
@@ -351,8 +351,11 @@ def trainer_job_of(args: argparse.Namespace, num_training_steps: int | None = No
     from .hf.args import TrainingArgs, load_training_args
 
     targs = hfjob.with_job_flags(load_training_args(path) if path else TrainingArgs(), _explicit_fields(args))
+    ds_config = _trainer_ds_config(args, targs)
+    if ds_config is None and path is None:
+        return None  # --loop hf-trainer alone: only the loop changes (the Trainer's arguments were not given)
     model = _load_model(getattr(args, "model", None) or DEFAULT_MODEL)
-    job = hfjob.trainer_job(_trainer_ds_config(args, targs), targs, model=model,
+    job = hfjob.trainer_job(ds_config, targs, model=model,
                             world=getattr(args, "gpus", None) or DEFAULT_GPUS, num_training_steps=num_training_steps)
     hfjob.raise_first(job, "--training-args" if path else "TrainingArguments")
     return job

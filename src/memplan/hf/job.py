@@ -200,13 +200,13 @@ def raise_first(job: TrainerJob, args_label: str) -> None:
             raise InputError(problem_label(p, args_label), p.message)
 
 
-def verify_task(job: TrainerJob | None, args_label: str) -> dict | None:
+def verify_task(job: TrainerJob | None, args_label: str, loop: str) -> dict | None:
     """What memplan verify's worker needs to run the real Trainer (None: not the Trainer path): the arguments,
     the DeepSpeed JSON as given (the Trainer fills it itself) and memplan's filled config, to compare. A job the
     Trainer would refuse is refused here, before any GPU time is spent."""
-    if job is None:
+    if job is None and loop != "hf-trainer":
         return None
-    if job.fill is None:
+    if job is None or job.fill is None:
         raise InputError("--ds-config", "verify runs transformers' Trainer with --deepspeed: give the DeepSpeed "
                          "JSON (for example examples/hf-trainer/ds_config_zero3.json)")
     for p in job.problems:

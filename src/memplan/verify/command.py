@@ -48,7 +48,8 @@ def job_and_options(args: argparse.Namespace):
     from ..options import trainer_job_of
 
     hf = verify_task(trainer_job_of(args, num_training_steps=args.steps),
-                     "--training-args" if getattr(args, "training_args", None) else "TrainingArguments")
+                     "--training-args" if getattr(args, "training_args", None) else "TrainingArguments",
+                     job.training.loop)
     return job, {"name": args.name, "steps": args.steps, "layers": args.layers, "launch": args.launch, "device": args.device,
                      "timeout_s": float(args.timeout), "out_dir": args.out, "hf": hf}
 
