@@ -13,6 +13,7 @@ they are reported as not used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ..errors import InputError
@@ -38,6 +39,7 @@ class FlagReading:
     deepspeed: str | None = None  # the --deepspeed value (a DeepSpeed JSON path)
 
 
+@lru_cache(maxsize=1)
 def _options() -> dict[str, tuple[str, bool]]:
     """option string → (field, negated): --name, --name-with-dashes, and --no_name for default-True bools."""
     out: dict[str, tuple[str, bool]] = {}
