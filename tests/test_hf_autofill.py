@@ -242,3 +242,12 @@ def test_the_trainer_fills_auto_and_never_overwrites_a_written_value(dropped, hi
         assert filled["zero_optimization.reduce_bucket_size"] == hidden * hidden
     if "train_batch_size" in flat:
         assert filled["train_batch_size"] == world * micro * accum
+
+
+def test_accelerate_launch_mixed_precision_adds_a_missing_section():
+    cfg = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+    out = fill_auto(cfg, TrainingArgs(), world=1, hidden=None, num_training_steps=1, mixed_precision_env="bf16")
+    assert (out.config["bf16"], out.config["fp16"]) == ({"enabled": True}, {"enabled": False})
+    filled_first = fill_auto(ZERO2, TrainingArgs(warmup_steps=1), world=1, hidden=None, num_training_steps=1,
+                             mixed_precision_env="bf16")
+    assert filled_first.config["bf16"]["enabled"] is False  # the Trainer filled "auto" from args.bf16 first

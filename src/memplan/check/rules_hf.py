@@ -53,7 +53,9 @@ def trainer_reading(cfg: dict, launch: Launch | None, model: ModelSpec | None, g
         args = reading.args
         findings += _flag_findings(reading, ds_path)
     world = gpus or (launch_world(launch) if launch is not None else None)
-    job = trainer_job(cfg, args or TrainingArgs(), model=model, world=world)
+    mixed = (launch.launcher_options.get("--mixed_precision") or "no") if launch is not None and \
+        launch.launcher == "accelerate" else "no"  # accelerate launch sets ACCELERATE_MIXED_PRECISION
+    job = trainer_job(cfg, args or TrainingArgs(), model=model, world=world, mixed_precision_env=mixed)
     findings += job_findings(job, "--training-args" if training_args is not None and launch is None else
                              "TrainingArguments")
     if world is None:

@@ -307,19 +307,22 @@ def _warmup_rule(c: _Config) -> None:
 
 
 def fill_auto(ds_config: dict, args: TrainingArgs, *, world: int | None, hidden: HiddenSize | None,
-              num_training_steps: int | None) -> AutoFill:
+              num_training_steps: int | None, mixed_precision_env: str = "no") -> AutoFill:
     """The config as deepspeed.initialize receives it from the Trainer (see the module docstring).
 
     ``world``: the processes (TrainingArguments.world_size; None: not known); ``hidden``: the model's hidden size as
     transformers and accelerate read it (None: the model is not known, so its "auto" keys stay unresolved);
-    ``num_training_steps``: max_steps, or None when it depends on the dataset's length."""
+    ``num_training_steps``: max_steps, or None when it depends on the dataset's length;
+    ``mixed_precision_env``: ACCELERATE_MIXED_PRECISION (``accelerate launch --mixed_precision``), which
+    TrainingArguments.mixed_precision keeps when neither fp16 nor bf16 is set."""
     out = AutoFill(config=copy.deepcopy(ds_config), dtype_at_init="fp32", optimizer_source="trainer")
     c = _Config(out.config, out)
     out.dtype_at_init = _trainer_config_process(c, args, world)
     if not _plugin_post_init(c):
         return out
     out.config.pop("steps_per_print", None)  # accelerate: float("inf"), logging only (module docstring)
-    _set_mixed_precision(c, args.mixed_precision)
+    mixed = args.mixed_precision if args.mixed_precision != "no" else mixed_precision_env
+    _set_mixed_precision(c, mixed if mixed in ("fp16", "bf16") else "no")
     _trainer_config_finalize(c, args, hidden, num_training_steps)
     if "optimizer" in out.config:
         out.optimizer_source = "config"

@@ -160,12 +160,13 @@ def _notes(args: TrainingArgs, fill: AutoFill | None) -> list[str]:
 
 
 def trainer_job(ds_config: dict | None, args: TrainingArgs, *, model: ModelSpec | None, world: int | None,
-                num_training_steps: int | None = None) -> TrainerJob:
+                num_training_steps: int | None = None, mixed_precision_env: str = "no") -> TrainerJob:
     """The Trainer's part of the job. ``num_training_steps``: None → args.max_steps when > 0 (else unknown)."""
     steps = num_training_steps if num_training_steps is not None else (args.max_steps if args.max_steps > 0 else None)
     fill = None
     if ds_config is not None:
-        fill = fill_auto(ds_config, args, world=world, hidden=hidden_for(model), num_training_steps=steps)
+        fill = fill_auto(ds_config, args, world=world, hidden=hidden_for(model), num_training_steps=steps,
+                         mixed_precision_env=mixed_precision_env)
     problems = [] if fill is None else [mismatch_problem(m) for m in fill.mismatches] + list(fill.problems)
     fields = _fields(args, fill, problems)
     return TrainerJob(args=args, ds_config=ds_config, fill=fill, fields=fields, problems=problems,
