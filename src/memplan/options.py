@@ -148,6 +148,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--loop", choices=_CHOICES["loop"],
                    help="training loop: outputs (DeepSpeed's tutorial loop keeps the model output; default), loss "
                         "(only the loss survives the forward), hf-trainer (transformers' Trainer)")
+    g.add_argument("--training-args", metavar="FILE",
+                   help="transformers TrainingArguments as to_json_string() writes them; implies --loop hf-trainer "
+                        "(the Trainer fills the --ds-config's \"auto\" from them, see memplan.hf)")
     g.add_argument("--alloc-conf", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True (default: torch's defaults)")
     g.add_argument("--model-impl", choices=_CHOICES["model_impl"],
@@ -303,9 +306,15 @@ def _exists(path: str) -> bool:
 
 
 def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
-    """Job fields after defaults, --ds-config and flags, and where each came from ('flag', 'ds', 'default')."""
+    """Job fields after defaults, --ds-config and flags, and where each came from ('flag', 'ds', 'default',
+    'trainer'). Under --loop hf-trainer (or --training-args) the --ds-config's "auto" is filled as the
+    Trainer fills it (memplan.hf); elsewhere "auto" means DeepSpeed's default."""
     ds_path = getattr(args, "ds_config", None)
-    settings = _ds_settings(ds_path) if ds_path else None
+    trainer = trainer_job_of(args)
+    if trainer is not None and trainer.fill is not None:
+        settings = _settings_of(trainer.fill.config)
+    else:
+        settings = _ds_settings(ds_path) if ds_path else None
     if settings is not None:
         from .dsconfig import apply_to_job_fields
 
@@ -316,6 +325,8 @@ def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
     source = {k: "default" for k in fields}
     _merge(fields, source, base, base_src)
     _merge(fields, source, _explicit_fields(args), "flag")
+    if trainer is not None:
+        _merge(fields, source, trainer.fields, "trainer")
     if settings is not None:
         _ds_batch(settings, fields, source)
     _resolve_optimizer(fields, source)
@@ -324,6 +335,58 @@ def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
     if alloc is not None:
         fields["allocator"], source["allocator"] = parse_alloc_conf(alloc, "--alloc-conf"), "flag"
     return fields, source
+
+
+def trainer_job_of(args: argparse.Namespace, num_training_steps: int | None = None):
+    """memplan.hf.job.TrainerJob for --loop hf-trainer with a --ds-config, or --training-args (None otherwise):
+    the arguments from the file (or transformers' defaults) with the job flags written in, the DeepSpeed config
+    from --ds-config (or the arguments' deepspeed), "auto" filled for the model and --gpus."""
+    loop, path = getattr(args, "loop", None), getattr(args, "training_args", None)
+    if path is not None and loop not in (None, "hf-trainer"):
+        raise InputError("--training-args", f"describes transformers' Trainer; it needs --loop hf-trainer (given: "
+                         f"--loop {loop})")
+    if loop != "hf-trainer" and path is None:
+        return None
+    from .hf import job as hfjob
+    from .hf.args import TrainingArgs, load_training_args
+
+    targs = hfjob.with_job_flags(load_training_args(path) if path else TrainingArgs(), _explicit_fields(args))
+    ds_config = _trainer_ds_config(args, targs)
+    if ds_config is None and path is None:
+        return None  # --loop hf-trainer alone: only the loop changes (the Trainer's arguments were not given)
+    model = _load_model(getattr(args, "model", None) or DEFAULT_MODEL)
+    job = hfjob.trainer_job(ds_config, targs, model=model,
+                            world=getattr(args, "gpus", None) or DEFAULT_GPUS, num_training_steps=num_training_steps)
+    hfjob.raise_first(job, "--training-args" if path else "TrainingArguments")
+    return job
+
+
+def _trainer_ds_config(args: argparse.Namespace, targs) -> dict | None:
+    """The DeepSpeed JSON the Trainer gets: --ds-config, else TrainingArguments.deepspeed (a dict or a path)."""
+    from . import dsconfig
+
+    path, flag = getattr(args, "ds_config", None), "--ds-config"
+    if path is None and isinstance(targs.deepspeed, dict):
+        return targs.deepspeed
+    if path is None and isinstance(targs.deepspeed, str):
+        path, flag = targs.deepspeed, "--training-args deepspeed"
+    if path is None:
+        return None
+    require_regular_file(path, flag)
+    try:
+        return dsconfig.load_ds_config(path)
+    except InputError as err:
+        raise _relabel(err, flag) from None
+
+
+def _settings_of(cfg: dict):
+    """memplan.dsconfig's reading of a filled config (errors name --ds-config)."""
+    from . import dsconfig
+
+    try:
+        return dsconfig.ds_settings(cfg)
+    except InputError as err:
+        raise _relabel(err, "--ds-config") from None
 
 
 #: PYTORCH_CUDA_ALLOC_CONF keys memplan models (c10/cuda/CUDAAllocatorConfig.cpp parseArgs); torch's other
@@ -505,7 +568,8 @@ def explicit_flags(args: argparse.Namespace) -> list[str]:
     """The job flags given on the command line (for reports that say what was assumed)."""
     given = _explicit_fields(args)
     names = [n for n in given if n != "zero"] + list(given.get("zero", {}))
-    extra = [f for f, dest in (("--model", "model"), ("--ds-config", "ds_config")) if getattr(args, dest, None)]
+    extra = [f for f, dest in (("--model", "model"), ("--ds-config", "ds_config"), ("--training-args", "training_args"))
+             if getattr(args, dest, None)]
     return extra + [FLAG_OF_FIELD.get(n, n) for n in names]
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
 from pydantic import ValidationError
 
 from ..dsconfig import apply_to_job_fields, load_ds_config
 from ..errors import InputError
-from ..specs import Job, Layout, ModelSpec, TrainingSpec, ZeroSpec
-from . import rules_ds, rules_job
+from ..specs import Job, Layout, Loop, ModelSpec, TrainingSpec, ZeroSpec
+from . import rules_ds, rules_hf, rules_job
 from .findings import Finding, error, info, sort_findings
 from .launch import Launch, parse_launch, read_launch_file
 
@@ -34,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=_positive, metavar="N", help="tokens per sequence (default: --seq-length)")
     parser.add_argument("--gpu", metavar="NAME|SIZE", help="a100-80g, h100-80g, ... or a size")
     parser.add_argument("--target", metavar="SIZE", help="per-GPU budget, e.g. 24GiB")
+    parser.add_argument("--loop", choices=get_args(Loop),
+                        help="the training loop; hf-trainer: transformers' Trainer fills the config's \"auto\" "
+                             "(default: hf-trainer when --training-args or Trainer flags are given)")
+    parser.add_argument("--training-args", metavar="FILE",
+                        help="TrainingArguments JSON (to_json_string()); the launch line's Trainer flags win")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -60,10 +66,15 @@ def _read_model(name: str | None) -> tuple[ModelSpec | None, dict | None]:
 
 
 def collect(cfg: dict, launch: Launch | None, model: ModelSpec | None, raw: dict | None,
-            gpus: int | None, seq: int | None) -> tuple[list[Finding], dict]:
+            gpus: int | None, seq: int | None, loop: str | None = None, training_args=None,
+            ds_path: str | None = None) -> tuple[list[Finding], dict]:
     """All findings, and what the job as launched is (for the estimate)."""
-    settings, findings = rules_ds.ds_rules(cfg)
     megatron = launch is not None and rules_job.is_megatron(launch)
+    trainer, hf_findings = rules_hf.trainer_reading(cfg, launch, model, gpus, megatron, loop, training_args, ds_path)
+    if trainer is not None and trainer.fill is not None:
+        cfg = trainer.fill.config  # what DeepSpeed receives from the Trainer
+    settings, findings = rules_ds.ds_rules(cfg, trainer=trainer is not None)
+    findings += hf_findings
     if launch is not None:
         findings += rules_job.launcher_rules(launch)
         if megatron:
@@ -83,7 +94,7 @@ def collect(cfg: dict, launch: Launch | None, model: ModelSpec | None, raw: dict
         if megatron:
             findings += rules_job.megatron_ds_rules(launch, settings, model)
     return findings, {"settings": settings, "layout": lay, "batch": batch, "seq": seq, "megatron": megatron,
-                      "launch": launch}
+                      "launch": launch, "trainer": trainer}
 
 
 def _training(ctx: dict, model: ModelSpec) -> TrainingSpec:
@@ -99,6 +110,8 @@ def _training(ctx: dict, model: ModelSpec) -> TrainingSpec:
         training.update(micro_batch=ctx["batch"]["micro_batch"], grad_accum=ctx["batch"]["grad_accum"])
     if zero.get("offload_optimizer") in ("cpu", "nvme") and training.get("optimizer", "adamw") == "adamw":
         training["optimizer"] = "cpu_adam"  # what DeepSpeed needs under offload (see the offload finding)
+    if ctx.get("trainer") is not None:  # the Trainer's loop, checkpointing and optimizer (memplan.hf.job)
+        training.update(ctx["trainer"].fields)
     if ctx["megatron"]:
         if launch.has("--checkpoint-activations") or launch.script_value("--recompute-granularity") == "full":
             training["checkpointing"] = "full"
@@ -173,7 +186,13 @@ def run(args: argparse.Namespace) -> int:
     text = read_launch_file(args.launch_file) if args.launch_file else args.launch
     launch = parse_launch(text) if text else None
     model, raw = _read_model(args.model)
-    findings, ctx = collect(cfg, launch, model, raw, args.gpus, args.seq)
+    training_args = None
+    if getattr(args, "training_args", None):
+        from ..hf.args import load_training_args
+
+        training_args = load_training_args(args.training_args)
+    findings, ctx = collect(cfg, launch, model, raw, args.gpus, args.seq, getattr(args, "loop", None), training_args,
+                            args.ds_config)
     est, label, more = estimate_for(ctx, model, args)
     findings = sort_findings(findings + more)
     if args.json:

@@ -185,6 +185,8 @@ def batch_rules(s: DsSettings, lay: Layout, launch: Launch | None, megatron: boo
         dp = lay.world
     out: list[Finding] = []
     if s.train_batch_size is None and s.micro_batch is None:
+        if {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(s.auto_keys):
+            return [], None  # "auto": rules_ds.auto_rules reports DeepSpeed's TypeError
         return [error("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is set "
                       "(DeepSpeedConfig asserts one is)", "set train_micro_batch_size_per_gpu")], None
     batch = derive_batch(s.train_batch_size, s.micro_batch, s.grad_accum, dp)

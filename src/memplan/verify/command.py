@@ -46,9 +46,15 @@ def job_and_options(args: argparse.Namespace):
     if args.layers is not None and not 1 <= args.layers <= job.model.num_layers // 2:
         raise InputError("--layers", f"{args.layers} must be between 1 and half the model's depth "
                                      f"({job.model.num_layers} layers)")
+    from ..hf.job import verify_task
+    from ..options import trainer_job_of
+
+    hf = verify_task(trainer_job_of(args, num_training_steps=args.steps),
+                     "--training-args" if getattr(args, "training_args", None) else "TrainingArguments",
+                     job.training.loop)
     return job, {"name": args.name, "steps": args.steps, "layers": args.layers, "launch": args.launch, "device": args.device,
-                     "timeout_s": float(args.timeout), "out_dir": args.out,
-                 "trace": args.trace}
+                     "timeout_s": float(args.timeout), "out_dir": args.out, "hf": hf,
+                     "trace": args.trace}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..dsconfig_emit import to_ds_config
 from ..specs import Job
-from . import autotp, hfbuild, pipeline
+from . import autotp, hfbuild, pipeline, trainer
 from .envinfo import environment, write_json_atomic
 from .phases import Meter, Recorder, TimelineHooks
 
@@ -186,6 +186,11 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             rec.end()
             row.update(pipeline.stage_note(engine))
             pipeline.train(engine, config, job, rec, task["steps"], device)
+        elif job.training.loop == "hf-trainer":  # a real transformers.Trainer (verify/trainer.py)
+            reason = trainer.unsupported_reason(task, job)
+            if reason:
+                raise Unsupported(reason)
+            engine = trainer.run(task, job, rec, device, row)
         else:
             engine, model, sp_rank = initialize(task, job, device)
             rec.end()
