@@ -87,3 +87,12 @@ def test_emulated_ranks_on_the_cpu_are_refused_in_the_row(files, tmp_path, capsy
     row = _verify(capsys, tmp_path, "--model", files["model"], "--ds-config", files["zero2"], "--gpus", "2",
                   "--micro-batch", "1", "--steps", "1")
     assert row["status"] == "unsupported" and "accelerate counts one process" in row["error"]
+
+
+@pytest.mark.slow
+def test_lora_through_the_trainer(files, tmp_path, capsys):
+    """peft's adapters on a frozen base, the Trainer's own optimizer over the trainable parameters only."""
+    row = _verify(capsys, tmp_path, "--model", files["model"], "--ds-config", files["zero2"], "--gpus", "1",
+                  "--micro-batch", "2", "--steps", "1", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj")
+    assert row["status"] == "ok", row["error"]
+    assert row["job"]["training"]["lora"]["rank"] == 4

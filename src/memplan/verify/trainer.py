@@ -35,13 +35,11 @@ from .phases import Recorder, TimelineHooks
 
 def unsupported_reason(task: dict[str, Any], job: Job) -> str | None:
     """Why this harness cannot run ``job`` through the Trainer faithfully (None: it can)."""
-    t, lay = job.training, job.layout
+    lay = job.layout
     if not task.get("hf"):
         return "--loop hf-trainer needs the Trainer's inputs (memplan verify passes them)"
     if lay.tp > 1 or lay.sp > 1:
         return "tp or sp > 1 through transformers' Trainer: not measured by this harness"
-    if t.lora is not None or t.freeze:
-        return "LoRA or frozen groups through transformers' Trainer: not measured by this harness"
     if task["device"] == "cpu" and lay.world > 1:
         return (f"world {lay.world} on the CPU: accelerate counts one process without a CUDA device, so the "
                 "Trainer's batch disagrees with DeepSpeed's; run world 1 on the CPU, or on a GPU")
@@ -73,9 +71,14 @@ def _build_model(task: dict[str, Any], job: Job, device: str):
     config = hfbuild.make_config(task["hf_config"], task.get("num_layers"))
     kwargs = {"dtype": hfbuild.torch_dtype(job), "attn_implementation": hfbuild.ATTN_IMPLEMENTATION[job.training.attention]}
     if job.training.zero.stage == 3:
-        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)  # transformers' own zero.Init
-    with torch.device(device):
-        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)  # transformers' own zero.Init
+    else:
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    hfbuild.freeze(model, job)
+    if job.training.lora is not None:  # as TRL and peft's examples do: get_peft_model before the Trainer
+        model = hfbuild.add_lora(model, job)
+    return model
 
 
 class _RandomTokens:
