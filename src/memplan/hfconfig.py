@@ -215,11 +215,12 @@ def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     """The ModelSpec of a Hugging Face config dict (as json.load gives it), missing keys as transformers fills them."""
     if not isinstance(cfg, dict):
         raise InputError("model", f"a config.json must hold a JSON object (got {type(cfg).__name__})")
-    family = _family(cfg)
+    family, prefix = _family(cfg), "model."
     if family == "gemma3":  # Gemma3Config: the text model only
         cfg, family, source = families.gemma3_text_config(cfg), "gemma3_text", f"{source}; {families.GEMMA3_NOTE}"
+        prefix = "model.text_config."
     keys = Keys(cfg, family, {**_DEFAULTS, **families.DEFAULTS}[family],
-                {**_ALIASES, **families.ALIASES}.get(family, {}))
+                {**_ALIASES, **families.ALIASES}.get(family, {}), prefix)
     fields = _BUILDERS.get(family, _llama_like)(keys)
     try:
         return ModelSpec(name=name, family=family, source=source, **fields)

@@ -24,22 +24,24 @@ class Keys:
     """One family's config keys: ``defaults`` (the config class's dataclass defaults) under the given values,
     keys renamed by ``aliases`` (the class's ``attribute_map``: key as written → field read)."""
 
-    def __init__(self, cfg: dict, family: str, defaults: dict[str, Any], aliases: dict[str, str]):
+    def __init__(self, cfg: dict, family: str, defaults: dict[str, Any], aliases: dict[str, str],
+                 prefix: str = "model."):
         self.family = family
+        self.prefix = prefix  # "model.text_config." for a gemma3 config's text model
         self.values = dict(defaults)
         given: dict[str, tuple[str, Any]] = {}
         for key, value in cfg.items():
             field = aliases.get(key, key)
             if field in given and given[field][1] != value:
                 other, before = given[field]
-                raise InputError(f"model.{key}", f"conflicts with {other} ({show(before)} vs {show(value)})")
+                raise InputError(f"{prefix}{key}", f"conflicts with {other} ({show(before)} vs {show(value)})")
             given[field] = (key, value)
         self.source_key = {field: key for field, (key, _) in given.items()}
         self.values.update({field: value for field, (_, value) in given.items()})
 
     def error(self, field: str, message: str) -> InputError:
         """An InputError naming the key as the config spelled it (e.g. n_embd, or hidden_size for GPT-2)."""
-        return InputError(f"model.{self.source_key.get(field, field)}", message)
+        return InputError(f"{self.prefix}{self.source_key.get(field, field)}", message)
 
     def int(self, field: str) -> int:
         value = self.values.get(field)
