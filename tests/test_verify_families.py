@@ -124,13 +124,45 @@ def test_zero3_builds_each_family_as_memplan_lists_it(built, name):
 
 
 @pytest.mark.slow
-def test_verify_runs_a_padded_family_at_zero3(built, tmp_path):
-    """The whole verify flow (DeepSpeed initialize, forward, backward, step) on the CPU for tiny Gemma 2."""
+@pytest.mark.parametrize(("name", "stage", "checkpointing"), [
+    ("gemma2", 3, "none"), ("deepseek_v3", 2, "full"), ("qwen3_moe", 3, "full"), ("phi3", 1, "none"),
+])
+def test_verify_runs_the_families_end_to_end(built, tmp_path, name, stage, checkpointing):
+    """The whole verify flow (DeepSpeed initialize, forward, backward, step) on the CPU: a padded family at
+    ZeRO-3, MLA + experts + shared experts recomputed under checkpointing, grouped_mm experts at ZeRO-3."""
     from memplan.verify import runner
 
-    spec = load_model(built["paths"]["gemma2"])
-    job = Job(model=spec, training=TrainingSpec(seq_len=32, zero=ZeroSpec(stage=3), optimizer="torch_adamw"),
-              layout=Layout(world=WORLD))
-    row = runner.measure_job(job, name="gemma2-z3", out_dir=str(tmp_path), steps=1, device="cpu", timeout_s=400)
+    spec = load_model(built["paths"][name])
+    job = Job(model=spec, training=TrainingSpec(seq_len=32, zero=ZeroSpec(stage=stage), optimizer="torch_adamw",
+                                                checkpointing=checkpointing), layout=Layout(world=WORLD))
+    row = runner.measure_job(job, name=f"{name}-z{stage}", out_dir=str(tmp_path), steps=1, device="cpu",
+                             timeout_s=400)
     assert row["status"] == "ok", row["error"]
     assert row["meta_params"] == row["analytic_params"]
+
+
+MATRIX = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy" / "matrix6-families.jsonl"
+NEW_FAMILIES = {"gemma2", "gemma3_text", "phi3", "qwen3_moe", "olmo2", "deepseek_v3"}
+
+
+def test_family_matrix_parses_and_covers_the_acceptance():
+    """Issue 16's GPU matrix: each new family ZeRO-2 and 3 with checkpointing on and off; MoE shapes (Mixtral,
+    Qwen3-MoE, the cut DeepSeek-V3) across ZeRO 1-3, optimizer offload and several sequence lengths, each
+    predicted to fit one 141 GB H200 with emulated ranks."""
+    from memplan.units import GiB
+    from memplan.verify import batch, worker
+
+    items = [batch.parse_item(json.loads(x), "/tmp/unused") for x in MATRIX.read_text().splitlines() if x.strip()]
+    assert [i.error for i in items] == [None] * len(items) and len({i.name for i in items}) == len(items)
+    for item in items:
+        worker.check_supported(item.job)  # raises Unsupported for what the harness cannot run
+        assert item.need_bytes < 130 * GiB and not item.opts["launch"], item.name
+    for family in NEW_FAMILIES:
+        jobs = [i.job for i in items if i.job.model.family == family]
+        cells = {(j.training.zero.stage, j.training.checkpointing) for j in jobs}
+        assert {(2, "none"), (2, "full"), (3, "none"), (3, "full")} <= cells, family
+    moe = [i.job for i in items if i.job.model.num_experts]
+    assert {j.model.family for j in moe} == {"mixtral", "qwen3_moe", "deepseek_v3"} and len(moe) >= 12
+    assert {j.training.zero.stage for j in moe} == {1, 2, 3}
+    assert any(j.training.zero.offload_optimizer == "cpu" for j in moe)
+    assert len({j.training.seq_len for j in moe}) >= 3
