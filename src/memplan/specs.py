@@ -9,7 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral"]
+from .modelspec import Family, LayerType, ModelSpec  # noqa: F401 - the model spec lives in its own module
+
 TrainDtype = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
 Attention = Literal["flash", "sdpa", "eager"]
@@ -32,62 +33,6 @@ FREEZE_GROUPS = ("embeddings", "lm_head", "norms")
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ModelSpec(_Frozen):
-    """A decoder-only transformer as transformers implements its family (what `--model` resolves to)."""
-
-    name: str = Field(description="preset name or config path")
-    family: Family = Field(description="transformers model_type")
-    hidden_size: int = Field(gt=0)
-    num_layers: int = Field(gt=0, description="num_hidden_layers")
-    num_heads: int = Field(gt=0, description="num_attention_heads")
-    num_kv_heads: int = Field(gt=0, description="num_key_value_heads (= num_heads without GQA)")
-    head_dim: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0, description="MLP width (per expert for MoE)")
-    vocab_size: int = Field(gt=0)
-    max_position_embeddings: int = Field(gt=0)
-    tie_word_embeddings: bool = False
-    attention_bias: bool = Field(False, description="bias on q/k/v projections")
-    attention_out_bias: bool = Field(False, description="bias on the attention output projection")
-    mlp_bias: bool = False
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    gated_mlp: bool = Field(True, description="gate/up/down (SwiGLU) vs fc_in/fc_out")
-    activation: str = "silu"
-    position_embedding: Literal["rope", "learned", "alibi"] = "rope"
-    parallel_residual: bool = Field(False, description="GPT-NeoX: attention and MLP read the same input")
-    qk_norm: bool = Field(False, description="Qwen3: RMSNorm on q and k per head")
-    embedding_norm: bool = Field(False, description="BLOOM: LayerNorm after the word embeddings")
-    rotary_pct: float = Field(1.0, gt=0, le=1, description="GPT-NeoX: share of head_dim that gets RoPE (rotary_pct)")
-    hidden_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention and MLP outputs (gpt2 resid_pdrop)")
-    attention_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention probabilities (gpt2 attn_pdrop)")
-    embedding_dropout: float = Field(0.0, ge=0, lt=1, description="dropout after the embeddings (gpt2 embd_pdrop)")
-    sliding_window: int | None = Field(None, gt=0, description="sliding-window attention span (Mistral); None: off")
-    num_experts: int = Field(0, ge=0, description="MoE experts per layer (0: dense)")
-    num_experts_per_tok: int = Field(0, ge=0)
-    source: str = Field("", description="where the numbers come from")
-
-    @model_validator(mode="after")
-    def _check(self) -> ModelSpec:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be divisible by num_key_value_heads ({self.num_kv_heads})"
-            )
-        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
-            )
-        return self
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the query projection output: heads · head_dim."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of each key / value projection output: kv_heads · head_dim."""
-        return self.num_kv_heads * self.head_dim
 
 
 class ZeroSpec(_Frozen):

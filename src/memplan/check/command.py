@@ -87,6 +87,7 @@ def collect(cfg: dict, launch: Launch | None, model: ModelSpec | None, raw: dict
     if model is not None:
         findings += rules_job.model_shape_rules(model, lay, seq)
         findings += rules_job.model_config_rules(raw, model, launch, megatron, lay)
+        findings += rules_job.zero3_padding_rule(model, stage, megatron)
     batch = None
     if settings is not None:
         more, batch = rules_job.batch_rules(settings, lay, launch, megatron)
