@@ -121,9 +121,17 @@ def _args(d: space.Draw, model: str, ds_path: str | None) -> list[str]:
     for flag, value in d.flags.items():
         if flag != "--model" and value is not None:
             out += [flag, str(value)]
+    if d.hf_template is not None:
+        # the Trainer's arguments as a script passes them: warmup_steps 1, which the docs' templates need to launch
+        # under DeepSpeed 0.19.8's WarmupLR ("auto" warmup_num_steps with the default warmup_steps 0 raises)
+        out += ["--training-args", HF_TRAINING_ARGS]
     if d.needs_gpus > 1:
         out.append("--launch")
     return out
+
+
+#: TrainingArguments for Trainer lines (examples/hf-trainer/README.md)
+HF_TRAINING_ARGS = "examples/hf-trainer/training_args.json"
 
 
 def _name(seed: int, index: int, d: space.Draw) -> str:
