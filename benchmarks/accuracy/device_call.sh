@@ -26,7 +26,7 @@ fi
 for p in "${pids[@]}"; do wait "$p"; done
 echo "ops built at $(( $(date +%s) - t0 )) s: $(ls /tmp/ds_ops)"
 left=$(( deadline - ($(date +%s) - t0) ))
-python3 -m memplan.verify.batch "$matrix" --out /tmp/b --workers 10 --gpu-budget-gib $([ -n "$mega" ] && echo 96 || echo 128) \
+python3 -m memplan.verify.batch "$matrix" --out /tmp/b --workers 12 --gpu-budget-gib $([ -n "$mega" ] && echo 96 || echo 128) \
   --host-budget-gib 90 --node-gpus 1 --deadline "$left" --no-prebuild > /tmp/batch.log 2>&1
 [ -n "$mega" ] && wait "$mpid"
 cp /tmp/b/rows.jsonl $OUT/rows.jsonl 2>/dev/null
