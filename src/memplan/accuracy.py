@@ -7,7 +7,6 @@ each depth it was measured at, with the model cut to that many layers.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,10 +33,11 @@ class Comparison:
 
 def iter_rows(folder: Path) -> Iterator[dict]:
     """Every row of every rows*.jsonl file under ``folder``, in file order."""
+    from .inputs import read_json_lines
+
     for path in sorted(folder.glob("rows*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)
+        for _, row in read_json_lines(path, "rows"):
+            yield row
 
 
 def job_of_row(row: dict) -> Job:

@@ -9,18 +9,17 @@ family; ``architectures`` is only a hint, used when ``model_type`` is missing an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import InputError, from_pydantic
+from .errors import InputError, from_pydantic, shorten
 from .specs import ModelSpec
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral")
 
-#: largest JSON file read (real config.json files are a few KiB)
+#: largest JSON file read (real config.json files are a few KiB): memplan.inputs' cap for every input file
 MAX_JSON_BYTES = 16 * 2**20
 
 #: largest size accepted for any dimension (a guard against hostile input, far above any real model)
@@ -94,9 +93,8 @@ BLOOM_DEFAULT_POSITIONS = 2048
 
 
 def _show(value: Any) -> str:
-    """A config value for an error message: its repr, cut to 60 characters."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """A config value for an error message (memplan.errors.shorten)."""
+    return shorten(value)
 
 
 class _Keys:
@@ -266,7 +264,7 @@ def _family(cfg: dict) -> str:
             return "gpt2"
         raise InputError("model.model_type", f"missing (and architectures is not GPT2*); allowed: {allowed}")
     if model_type not in FAMILIES:
-        raise InputError("model.model_type", f"unsupported model type {model_type!r}; allowed: {allowed}")
+        raise InputError("model.model_type", f"unsupported model type {shorten(model_type)}; allowed: {allowed}")
     return model_type
 
 
@@ -292,26 +290,12 @@ def transformers_config(cfg: dict) -> dict:
 
 
 def read_json(path: Path, field: str = "model") -> dict:
-    """Read a JSON object from a file; any failure is an InputError naming the file, on one line."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(path))  # one line, always
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_JSON_BYTES + 1)
-    except FileNotFoundError:
-        raise InputError(field, f"no such file: {shown}") from None
-    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise InputError(field, f"cannot read {shown}: {err}".replace("\n", " ")) from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise InputError(field, f"{shown} is larger than {MAX_JSON_BYTES} bytes; a config.json is a few KiB")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise InputError(field, f"{shown} is not UTF-8 text: {err}".replace("\n", " ")) from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise InputError(field, f"malformed JSON in {shown}: {err}".replace("\n", " ")) from None
-    if not isinstance(data, dict):
-        raise InputError(field, f"{shown} must hold a JSON object (got {type(data).__name__})")
-    return data
+    """Read a config.json as transformers does (PretrainedConfig._dict_from_json_file: json.loads of the UTF-8
+    text, so a BOM or a comment is refused and a duplicate key's last value wins), through memplan.inputs: a
+    regular file of at most MAX_JSON_BYTES; any failure is an InputError naming ``field``, on one line."""
+    from .inputs import read_json_object
+
+    return read_json_object(path, field, "json", "config.json")
 
 
 def load_config_file(path: str | Path) -> ModelSpec:
