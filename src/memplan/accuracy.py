@@ -47,9 +47,10 @@ def job_of_row(row: dict) -> Job:
     from .presets import load_model
 
     raw = row.get("job") or {}
-    if "loop" not in (raw.get("training") or {}):
+    training = raw.get("training", {}) if isinstance(raw, dict) else None
+    if isinstance(training, dict) and "loop" not in training:
         # rows measured before verify ran other loops: its worker kept only the loss (``loss = engine(...).loss``)
-        raw = {**raw, "training": {**raw.get("training", {}), "loop": "loss"}}
+        raw = {**raw, "training": {**training, "loop": "loss"}}
     job = Job.model_validate(raw)
     try:
         model = load_model(job.model.name)

@@ -10,7 +10,10 @@ The bounds are sanity bounds, far above any real job, not limits of DeepSpeed:
 - ``MAX_RANKS`` (world, tp, pp, sp, GPUs per node, nodes): 2**18 = 262,144 ranks. The largest published
   training jobs use 16K (Llama 3, Dubey et al. 2024, §3.3) to ~100K GPUs; DeepSpeed's launcher itself builds
   ``list(range(num_gpus))`` per host (launcher/runner.py apply_num_nodes_and_gpus).
-- ``MAX_COUNT`` (tokens, sequences, steps, layers): 2**40.
+- ``MAX_COUNT`` (tokens, sequences, steps): 2**40.
+- ``MAX_LAYERS`` (transformer layers): 2**12 = 4096, 30 times the deepest model trained at scale (Llama 3
+  405B: 126 layers, Dubey et al. 2024, Table 3). The estimator lists each layer's parameter tensors
+  (memplan.params.parameter_tensors), so its time and memory grow with the layer count.
 - ``MAX_ELEMENTS`` (bucket sizes and thresholds in elements): 2**53, the largest integer float64 holds exactly
   (the estimator divides element counts in float64).
 - sizes: memplan.units.MAX_SIZE_BYTES (1 EiB).
@@ -28,8 +31,9 @@ from .units import parse_size_bytes
 MAX_RANKS = 2**18
 MAX_COUNT = 2**40
 MAX_ELEMENTS = 2**53
+MAX_LAYERS = 2**12
 
-_DIGITS = re.compile(r"\A\s*[0-9]{1,20}\s*\Z")
+_DIGITS = re.compile(r"\A\s*[0-9]{1,40}\s*\Z")
 
 
 def _range(minimum: int, maximum: int, unit: str) -> str:
@@ -52,6 +56,22 @@ def check_count(value: int, field: str, *, minimum: int = 1, maximum: int = MAX_
         shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
         raise InputError(field, f"{shown} is too large; {_range(minimum, maximum, unit)}")
     return value
+
+
+def check_job(job, field: str) -> None:
+    """Every count of a Job read from a file (a verify row), bounded as the flags that set it are: ranks by
+    MAX_RANKS, tokens, sequences and steps by MAX_COUNT, layers by MAX_LAYERS, ZeRO element counts by
+    MAX_ELEMENTS. ``field`` prefixes the name of the first one out of bounds (``<field>layout.world``)."""
+    lay, t, z = job.layout, job.training, job.training.zero
+    checks = [(f"layout.{k}", getattr(lay, k), MAX_RANKS) for k in ("world", "gpus_per_node", "tp", "pp", "sp")]
+    checks += [(f"training.{k}", getattr(t, k), MAX_COUNT) for k in ("seq_len", "micro_batch", "grad_accum")]
+    checks += [(f"training.zero.{k}", getattr(z, k), MAX_ELEMENTS) for k in (
+        "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+        "sub_group_size")]
+    checks.append(("model.num_layers", job.model.num_layers, MAX_LAYERS))
+    for name, value, most in checks:
+        check_count(value, f"{field}{name}", minimum=0, maximum=most)
 
 
 def count(text: str, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT, unit: str = "") -> int:
@@ -111,5 +131,5 @@ def size_type(text: str) -> int:
         raise argparse.ArgumentTypeError(err.message) from None
 
 
-__all__ = ["MAX_COUNT", "MAX_ELEMENTS", "MAX_RANKS", "check_count", "count", "count_type", "int_argument",
+__all__ = ["MAX_COUNT", "MAX_ELEMENTS", "MAX_LAYERS", "MAX_RANKS", "check_count", "check_job", "count", "count_type", "int_argument",
            "rank_count", "size", "size_type"]

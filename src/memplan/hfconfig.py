@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .bounds import MAX_LAYERS
 from .errors import InputError, from_pydantic, shorten
 from .specs import ModelSpec
 
@@ -275,6 +276,9 @@ def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     family = _family(cfg)
     keys = _Keys(cfg, family)
     fields = _BUILDERS.get(family, _llama_like)(keys)
+    if fields["num_layers"] > MAX_LAYERS:  # the estimator lists every layer's tensors (memplan.bounds)
+        layers_key = "n_layer" if family in ("gpt2", "bloom") else "num_hidden_layers"
+        raise keys.error(layers_key, f"{fields['num_layers']} layers; allowed: at most {MAX_LAYERS}")
     try:
         return ModelSpec(name=name, family=family, source=source, **fields)
     except ValidationError as err:

@@ -59,7 +59,7 @@ def _kind(mode: int) -> str:
         return "a device"
     if stat.S_ISSOCK(mode):
         return "a socket"
-    return "not a regular file"
+    return "a file" if stat.S_ISREG(mode) else "not a regular file"
 
 
 def _check_parents(path: Path, flag: str) -> None:

@@ -32,7 +32,11 @@ def row_files(paths: list[str]) -> list[Path]:
     out: list[Path] = []
     for text in paths:
         path = Path(text)
-        if path.is_dir():
+        try:
+            is_dir = path.is_dir()
+        except (OSError, ValueError):  # a name too long, a NUL byte: check_regular names the problem
+            is_dir = False
+        if is_dir:
             found = sorted(path.glob(ROWS_GLOB))
             if not found:
                 raise InputError("ROWS", f"{shown_path(text)}: no {ROWS_GLOB} in this directory; allowed: a folder "
@@ -108,10 +112,13 @@ def _check_row(where: str, row: Any) -> bool:
     for key in ("steps", "skipped_steps"):
         if key in row and (not isinstance(row[key], int) or isinstance(row[key], bool) or row[key] < 0):
             raise InputError(f"{where}: {key}", "allowed: a non-negative integer")
+    from ..bounds import check_job
+
     try:
-        Job.model_validate(_need(where, row, "job", dict, "the row's Job (model, training, layout)"))
+        job = Job.model_validate(_need(where, row, "job", dict, "the row's Job (model, training, layout)"))
     except ValidationError as exc:
         raise from_pydantic(exc, prefix=f"{where}: job.") from None
+    check_job(job, f"{where}: job.")
     _check_measured(where, row)
     return True
 
