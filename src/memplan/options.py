@@ -298,7 +298,9 @@ def resolved_fields(args: argparse.Namespace, seed: bool = True) -> tuple[dict[s
     source = {k: "default" for k in fields}
     _merge(fields, source, base, base_src)
     _merge(fields, source, _explicit_fields(args), "flag")
-    if settings is not None:
+    hf_auto = hf_path(args) and any(k in settings.auto_keys for k in ("train_batch_size",
+        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")) if settings is not None else False
+    if settings is not None and not hf_auto:  # HF Trainer: "auto" batch sizes come from TrainingArguments
         _ds_batch(settings, fields, source)
     _resolve_optimizer(fields, source)
     _adapter_fields(args, fields, source)

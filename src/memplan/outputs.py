@@ -87,6 +87,7 @@ def check_folder(path: str | os.PathLike, flag: str) -> Path:
     if st is not None and not stat.S_ISDIR(st.st_mode):
         raise InputError(flag, f"{shown_path(p)} is {_kind(st.st_mode)}; allowed: a folder (created if missing)")
     _check_parents(p, flag)
+    _probe(p / "x", flag)
     return p
 
 
@@ -101,7 +102,19 @@ def check_file(path: str | os.PathLike, flag: str) -> Path:
         raise InputError(flag, f"{shown_path(p)} is {_kind(st.st_mode)}; allowed: a regular file (replaced) or a "
                                "new path")
     _check_parents(p, flag)
+    _probe(p, flag)
     return p
+
+
+def _probe(path: Path, flag: str) -> None:
+    """Whether files can be made where ``path`` would go: a hidden folder made and removed at once in the
+    nearest existing folder (permission bits alone do not say: root ignores them, /proc refuses anyway)."""
+    anchor = _anchor(path)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".memplan-probe-", dir=anchor))
+    except OSError as err:
+        raise InputError(flag, f"cannot write in {shown_path(anchor)} ({err.strerror or err}); allowed: a writable "
+                               "folder") from None
 
 
 def _anchor(path: Path) -> Path:
