@@ -99,11 +99,12 @@ def assert_refused(argv: list[str], flag: str, root: Path, code: int = 2) -> str
     nothing under ``root`` created or changed. Returns the line."""
     before = snapshot(root)
     rc, out, err = run_main(argv)
-    assert rc == code, (argv, rc, out[:300], err[:500])
-    assert out == "", (argv, out[:300])
+    shown = [a if len(a) <= 100 else f"{a[:100]}...({len(a)})" for a in argv]
+    assert rc == code, (shown, rc, out[:300], err[:500])
+    assert out == "", (shown, out[:300])
     lines = err.splitlines()
-    assert len(lines) == 1 and err.endswith("\n"), (argv, err[:1000])
-    assert lines[0].startswith(f"memplan: error: {flag}"), (argv, lines[0][:300])
+    assert len(lines) == 1 and err.endswith("\n"), (shown, err[:1000])
+    assert lines[0].startswith(f"memplan: error: {flag}"), (shown, lines[0][:300])
     assert "internal:" not in lines[0] and len(lines[0]) <= 800, lines[0][:300]
-    assert snapshot(root) == before, (argv, set(snapshot(root)) ^ set(before))
+    assert snapshot(root) == before, (shown, set(snapshot(root)) ^ set(before))
     return lines[0]

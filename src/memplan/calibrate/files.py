@@ -56,7 +56,7 @@ def read_rows(paths: list[str]) -> list[tuple[str, Any]]:
 
     rows = []
     for path in row_files(paths):
-        rows += [(f"{path_label(path)}:{number}", value) for number, value in read_json_lines(path, "ROWS")]
+        rows += [(f"ROWS {path_label(path)}:{number}", value) for number, value in read_json_lines(path, "ROWS")]
     return rows
 
 

@@ -145,11 +145,11 @@ def estimate_for(ctx: dict, model: ModelSpec | None, args) -> tuple[object | Non
 
 def _budget(args) -> tuple[int | None, str | None, int | None]:
     target = None
-    if args.target:
+    if args.target is not None:
         from ..cli import _target_bytes
 
         target = _target_bytes(args.target)
-    if args.gpu:
+    if args.gpu is not None:
         from ..gpus import resolve_gpu
 
         gpu = resolve_gpu(args.gpu)
@@ -159,7 +159,7 @@ def _budget(args) -> tuple[int | None, str | None, int | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Check a DeepSpeed config and launch line; exit 1 on any error finding, 0 otherwise, 2 on bad input."""
-    if args.target is not None:  # bad sizes are refused before any file is read
+    if args.target is not None or args.gpu is not None:  # bad sizes are refused before any file is read
         _budget(args)
     cfg = load_ds_config(args.ds_config, flag="--ds-config")
     if args.launch_file is not None:

@@ -46,7 +46,11 @@ def read_user_files(args: argparse.Namespace) -> dict[str, int]:
     if args.ds_config:
         from ..dsconfig import ds_settings, load_ds_config
 
-        ds_settings(load_ds_config(args.ds_config, flag="--ds-config"))  # values DeepSpeed refuses: exit 2 too
+        cfg = load_ds_config(args.ds_config, flag="--ds-config")
+        try:
+            ds_settings(cfg)  # values DeepSpeed refuses: exit 2 too
+        except InputError as err:
+            raise InputError(f"--ds-config {err.field}", err.message) from None
     return launch_values(args.launch_file) if args.launch_file else {}
 
 
