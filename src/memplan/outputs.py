@@ -62,6 +62,13 @@ def _kind(mode: int) -> str:
     return "a file" if stat.S_ISREG(mode) else "not a regular file"
 
 
+def _printable(path: Path, flag: str) -> None:
+    """An output path is printed back ("wrote ..."): control characters (a newline, an escape) are refused."""
+    text = str(path)
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in text):
+        raise InputError(flag, f"{shown_path(text)} has control characters; allowed: a path of printable characters")
+
+
 def _check_parents(path: Path, flag: str) -> None:
     """Every existing folder on the way to ``path`` must be a folder (a file there could not hold it)."""
     for parent in path.parents:
@@ -80,6 +87,7 @@ def _check_parents(path: Path, flag: str) -> None:
 def check_folder(path: str | os.PathLike, flag: str) -> Path:
     """An output folder: missing (it will be created) or an existing folder; anything else refused."""
     p = Path(path)
+    _printable(p, flag)
     try:
         st = _stat(p)
     except InputError as err:
@@ -94,6 +102,7 @@ def check_folder(path: str | os.PathLike, flag: str) -> Path:
 def check_file(path: str | os.PathLike, flag: str) -> Path:
     """An output file: missing or an existing regular file (replaced); a FIFO, device, socket or folder refused."""
     p = Path(path)
+    _printable(p, flag)
     try:
         st = _stat(p)
     except InputError as err:
