@@ -16,12 +16,13 @@ from pydantic import ValidationError
 
 from .bounds import MAX_LAYERS
 from .errors import InputError, from_pydantic, shorten
+from .inputs import MAX_INPUT_BYTES
 from .specs import ModelSpec
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral")
 
 #: largest JSON file read (real config.json files are a few KiB): memplan.inputs' cap for every input file
-MAX_JSON_BYTES = 16 * 2**20
+MAX_JSON_BYTES = MAX_INPUT_BYTES
 
 #: largest size accepted for any dimension (a guard against hostile input, far above any real model)
 MAX_DIM = 2**32

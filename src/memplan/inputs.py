@@ -229,7 +229,7 @@ def parse_json(text: str, flag: str, shown: str, dialect: Dialect) -> Any:
             try:
                 value = _hjson(text)
             except ValueError as hjson_err:
-                if "digits" in str(hjson_err) or isinstance(hjson_err, _DuplicateKey):
+                if "digits" in str(hjson_err):
                     raise
                 raise InputError(flag, f"{shown} is not valid JSON (line {err.lineno} column {err.colno}: "
                                        f"{err.msg}), nor the hjson DeepSpeed also reads; allowed: a JSON file "

@@ -22,6 +22,7 @@ from typing import Any
 
 from .bounds import MAX_COUNT, count_type, rank_count
 from .errors import InputError, shorten
+from .inputs import MAX_INPUT_BYTES
 
 #: the seed's model preset and sequence length (176b_config.json, the article's 32K tokens)
 DEFAULT_MODEL = "176b"
@@ -203,8 +204,8 @@ def _normalize_ds_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: the largest input file read (memplan.inputs.MAX_INPUT_BYTES)
-MAX_INPUT_FILE_BYTES = 16 * 2**20
+#: the largest input file read (memplan.inputs' cap for every input file)
+MAX_INPUT_FILE_BYTES = MAX_INPUT_BYTES
 
 
 def require_regular_file(path: str, flag: str) -> None:
@@ -264,7 +265,7 @@ def _relabel(err: InputError, flag: str) -> InputError:
     return InputError(f"{flag} {err.field.removeprefix('model.')}", err.message)
 
 
-def model_from_arg(name_or_path: str, flag: str = "--model"):
+def _load_model(name_or_path: str, flag: str = "--model"):
     """The ModelSpec for --model (H1's presets; imported here so estimate stays light): a preset name, or a
     config.json read through memplan.inputs; every error names ``flag``."""
     try:
@@ -277,7 +278,9 @@ def model_from_arg(name_or_path: str, flag: str = "--model"):
         raise _relabel(err, flag) from None
 
 
-_load_model = model_from_arg
+def model_from_arg(name_or_path: str, flag: str = "--model"):
+    """The ModelSpec a --model value names (see _load_model), for every command that takes --model."""
+    return _load_model(name_or_path, flag)
 
 
 def resolved_fields(args: argparse.Namespace, seed: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
@@ -482,7 +485,7 @@ def job_from_args(args: argparse.Namespace, seed: bool = True):
     """The validated Job the flags describe (see the module docstring for the order of precedence; ``seed``:
     see resolved_fields)."""
     fields, source = resolved_fields(args, seed)
-    model = model_from_arg(getattr(args, "model", None) or DEFAULT_MODEL)
+    model = _load_model(getattr(args, "model", None) or DEFAULT_MODEL)
     return build_job(model, fields, source)
 
 
