@@ -9,18 +9,14 @@ How DeepSpeed reads each part (paths relative to the deepspeed package):
 - Sections (zero_optimization, offload_*, fp16, bf16, tensor_parallel) are DeepSpeedConfigModel subclasses
   (runtime/config_utils.py): ``"auto"`` values are dropped before validation, so "auto" means the default.
   Field aliases and field names are both accepted (``populate_by_name=True``).
-- A section that is not a JSON object (``"zero_optimization": "auto"``, ``"fp16": "auto"``, ``"optimizer":
-  "auto"``, null) is refused: DeepSpeed calls ``DeepSpeedZeroConfig(**value)`` / ``DeepSpeedFP16Config(**value)``
-  (TypeError) or ``value.keys()`` / ``value.get`` (AttributeError) on it, and on the Hugging Face path
-  HfDeepSpeedConfig.find_config_node calls ``.get`` on it too.
-- Top-level scalars are read with ``get_scalar_param`` (a dict lookup) and compared as they are, so the batch
-  sizes must be JSON numbers: a string, "auto" included, fails ``_batch_assertion`` (TypeError). On the
-  Hugging Face Trainer path (``hf=True``: --loop hf-trainer or --training-args) "auto" is filled from the
-  TrainingArguments before DeepSpeed sees it (HfTrainerDeepSpeedConfig.trainer_config_process); here it then
-  counts as not set. ``fp16.enabled: "auto"`` likewise: dropped by DeepSpeedConfigModel (so fp16 off) on the
-  plain path, filled from TrainingArguments on the HF path.
-- Batch sizes: DeepSpeedConfig._set_batch_related_parameters derives the missing ones from the
-  data-parallel world size, then _batch_assertion requires train = micro × accum × dp.
+- A section that is not an object (``"zero_optimization": "auto"``, ``"fp16": "auto"``, ``"optimizer": "auto"``,
+  null) is refused: DeepSpeed calls ``DeepSpeedZeroConfig(**value)`` (TypeError) or ``value.keys()`` /
+  ``.get`` (AttributeError) on it; so does HfDeepSpeedConfig.find_config_node on the Hugging Face path.
+- Top-level scalars (``get_scalar_param``, a dict lookup) are compared as they are: a batch size that is a
+  string, "auto" included, fails ``_batch_assertion`` (TypeError). On the Hugging Face Trainer path
+  (``hf=True``) "auto" is filled from TrainingArguments first (HfTrainerDeepSpeedConfig.trainer_config_process)
+  and counts as not set here; ``fp16.enabled: "auto"`` is dropped (fp16 off) on the plain path.
+- Batch sizes: memplan.dsbatch (DeepSpeedConfig._set_batch_related_parameters, _batch_assertion).
 - Optimizer: DeepSpeedEngine._configure_basic_optimizer / get_optimizer_configuration (runtime/engine.py).
 
 Integers in sections are read with pydantic's lax int, DeepSpeed's own parse (``"stage": "3"``, ``"500"`` and
@@ -36,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from .bounds import MAX_COUNT, MAX_ELEMENTS, MAX_RANKS, check_count
+from .dsbatch import batch_problem, derive_batch, resolve_batch  # noqa: F401 - re-exported
 from .errors import InputError, shorten
 from .specs import Optimizer, TrainDtype
 
@@ -106,9 +103,8 @@ class DsSettings(BaseModel):
     auto_keys: tuple[str, ...] = ()
 
 
-#: top-level keys the Hugging Face Trainer fills when they are "auto" (trainer_config_process)
-HF_FILLED_TOP_LEVEL = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                       "gradient_clipping")
+#: batch keys the Hugging Face Trainer fills when they are "auto" (trainer_config_process)
+HF_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 #: pydantic's lax int: how DeepSpeedConfigModel sections parse an int field
 _LAX_INT = TypeAdapter(int)
@@ -124,12 +120,8 @@ def load_ds_config(path: str | Path, *, hf: bool = False, flag: str = "--ds-conf
 
 def as_int(value: Any, path: str, minimum: int = 0, *, maximum: int = MAX_ELEMENTS,
            strings: bool = True) -> int | None:
-    """An integer as DeepSpeed reads it; "auto"/None → None; bounded to [minimum, maximum].
-
-    ``strings``: a field of a DeepSpeedConfigModel section, parsed with pydantic's lax int ("3", "500", 5e8
-    are ints; "5e8", 1.5 are not). Otherwise a top-level scalar DeepSpeedConfig compares as it is: a JSON
-    number only. Booleans are refused (pydantic reads true as 1; memplan is stricter).
-    """
+    """An integer as DeepSpeed reads it, bounded; "auto"/None → None. ``strings``: a section's field (pydantic's
+    lax int); else a top-level scalar, compared as it is (a JSON number only). Booleans refused (stricter)."""
     if value is None or value == "auto":
         return None
     if isinstance(value, bool):
@@ -170,9 +162,8 @@ def _section(cfg: dict, key: str, path: str = "") -> dict:
         return {}
     value = cfg[key]
     if not isinstance(value, dict):
-        raise InputError(f"{path}{key}", f"must be a JSON object {{...}} (got {shorten(value)}): DeepSpeed reads "
-                                         f"it as keyword arguments or with .get, which fails on anything else; "
-                                         f"\"auto\" works only for single values inside it")
+        raise InputError(f"{path}{key}", f"must be a JSON object {{...}} (got {shorten(value)}): DeepSpeed fails "
+                                         "on anything else; \"auto\" works only for values inside it")
     return value
 
 
@@ -222,11 +213,8 @@ def _zero_fields(cfg: dict) -> dict:
 
 
 def _dtype_field(cfg: dict, hf: bool = False) -> TrainDtype | None:
-    """fp16 / bf16 ("bfloat16" is the old key) as get_float16_config / get_bfloat16_config read them.
-
-    Neither enabled: DeepSpeed trains in fp32. ``enabled: "auto"``: DeepSpeedConfigModel drops it (so off) on
-    the plain path; on the HF path the Trainer fills it from TrainingArguments (None: not known here).
-    """
+    """fp16 / bf16 ("bfloat16" is the old key) as get_float16_config / get_bfloat16_config read them. Neither
+    enabled: fp32. ``enabled: "auto"``: dropped (off) on the plain path; the Trainer's to fill on the HF path."""
     fp16_section = _section(cfg, "fp16")
     # get_bfloat16_config: "bf16", and the old "bfloat16" when bf16 is missing or null
     bf16_key = "bf16" if cfg.get("bf16") is not None or "bfloat16" not in cfg else "bfloat16"
@@ -270,7 +258,7 @@ def optimizer_choice(cfg: dict, offload_optimizer: str | None) -> tuple[str | No
 
 
 def _batch_fields(cfg: dict, hf: bool = False) -> dict:
-    for key in HF_FILLED_TOP_LEVEL[:3]:
+    for key in HF_BATCH_KEYS:
         if cfg.get(key) == "auto" and not hf:
             raise InputError(key, "\"auto\" is filled in only by the Hugging Face Trainer (--loop hf-trainer); "
                                   "plain deepspeed.initialize keeps the string and DeepSpeedConfig._batch_assertion "
@@ -356,52 +344,6 @@ def ds_settings(cfg: dict, dp: int | None = None, *, hf: bool = False) -> DsSett
     if dp is not None:
         settings = settings.model_copy(update=resolve_batch(settings, dp))
     return settings
-
-
-def derive_batch(train: int | None, micro: int | None, accum: int | None, dp: int) -> dict:
-    """DeepSpeedConfig._set_batch_related_parameters: fill the missing batch sizes (integer division).
-
-    Returns {"train_batch_size", "micro_batch", "grad_accum"}; raises InputError when neither
-    train_batch_size nor train_micro_batch_size_per_gpu is given (DeepSpeed's assertion).
-    """
-    if train is not None and micro is not None and accum is not None:
-        pass
-    elif train is not None and micro is not None:
-        accum = train // micro // dp
-    elif train is not None and accum is not None:
-        micro = train // dp // accum
-    elif micro is not None and accum is not None:
-        train = micro * accum * dp
-    elif train is not None:
-        accum, micro = 1, train // dp
-    elif micro is not None:
-        train, accum = micro * dp, 1
-    else:
-        raise InputError("train_batch_size", "set train_batch_size or train_micro_batch_size_per_gpu "
-                                             "(DeepSpeedConfig._set_batch_related_parameters)")
-    return {"train_batch_size": train, "micro_batch": micro, "grad_accum": accum}
-
-
-def batch_problem(batch: dict, dp: int) -> str | None:
-    """DeepSpeedConfig._batch_assertion, as a sentence showing the arithmetic; None when it holds."""
-    train, micro, accum = batch["train_batch_size"], batch["micro_batch"], batch["grad_accum"]
-    if micro < 1:
-        return f"train_micro_batch_size_per_gpu derives to {micro} (train_batch_size {train} // dp {dp} // {accum})"
-    if accum < 1:
-        return f"gradient_accumulation_steps derives to {accum} (train_batch_size {train} // micro {micro} // dp {dp})"
-    if train != micro * accum * dp:
-        return (f"train_batch_size ({train}) != micro-batch ({micro}) × gradient accumulation ({accum})"
-                f" × data-parallel size ({dp}) = {micro * accum * dp}")
-    return None
-
-
-def resolve_batch(settings: DsSettings, dp: int) -> dict:
-    """Derived batch sizes for ``dp``; InputError (as DeepSpeed's assertion) when they do not add up."""
-    batch = derive_batch(settings.train_batch_size, settings.micro_batch, settings.grad_accum, dp)
-    problem = batch_problem(batch, dp)
-    if problem:
-        raise InputError("train_batch_size", problem)
-    return batch
 
 
 _ZERO_SPEC_FIELDS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",

@@ -234,6 +234,12 @@ def _ds_settings(path: str, hf: bool = False):
         raise _relabel(err, "--ds-config") from None
 
 
+def _auto_batch(settings) -> bool:
+    from .dsconfig import HF_BATCH_KEYS
+
+    return any(k in settings.auto_keys for k in HF_BATCH_KEYS)
+
+
 def _ds_batch(settings, fields: dict[str, Any], source: dict[str, str]) -> None:
     """Micro-batch and accumulation as DeepSpeed derives them from train_batch_size and dp
     (DeepSpeedConfig._set_batch_related_parameters), unless both flags were given."""
@@ -301,10 +307,8 @@ def resolved_fields(args: argparse.Namespace, seed: bool = True) -> tuple[dict[s
     source = {k: "default" for k in fields}
     _merge(fields, source, base, base_src)
     _merge(fields, source, _explicit_fields(args), "flag")
-    hf_auto = hf_path(args) and any(k in settings.auto_keys for k in ("train_batch_size",
-        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")) if settings is not None else False
-    if settings is not None and not hf_auto:  # HF Trainer: "auto" batch sizes come from TrainingArguments
-        _ds_batch(settings, fields, source)
+    if settings is not None and not (hf_path(args) and _auto_batch(settings)):
+        _ds_batch(settings, fields, source)  # (on the HF path, "auto" batch sizes come from TrainingArguments)
     _resolve_optimizer(fields, source)
     _adapter_fields(args, fields, source)
     alloc = getattr(args, "alloc_conf", None)
