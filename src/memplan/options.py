@@ -22,7 +22,7 @@ from typing import Any
 
 from .bounds import MAX_COUNT, count_type, rank_count
 from .errors import InputError, shorten
-from .inputs import MAX_INPUT_BYTES
+from .inputs import MAX_INPUT_BYTES, check_regular
 
 #: the seed's model preset and sequence length (176b_config.json, the article's 32K tokens)
 DEFAULT_MODEL = "176b"
@@ -211,8 +211,6 @@ MAX_INPUT_FILE_BYTES = MAX_INPUT_BYTES
 def require_regular_file(path: str, flag: str) -> None:
     """Refuse what could hang or flood a read: FIFOs, devices (/dev/zero, /dev/stdin), directories, huge files
     (memplan.inputs.check_regular: ``os.stat``, which does not block on a FIFO, before any open)."""
-    from .inputs import check_regular
-
     check_regular(path, flag, "JSON file", MAX_INPUT_FILE_BYTES)
 
 
