@@ -75,8 +75,9 @@ def _at(cfg: dict, path: str):
     return node
 
 
-def settings_or_finding(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
-    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding.
+def settings_or_finding(cfg: dict, hf: bool = False) -> tuple[DsSettings | None, list[Finding]]:
+    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding. ``hf``: the job runs
+    under the Hugging Face Trainer, which fills "auto" values (memplan.dsconfig.ds_settings).
 
     An optimizer DeepSpeed builds but memplan does not model (Lamb, Adagrad, ...) is an info and is left out.
     """
@@ -93,7 +94,7 @@ def settings_or_finding(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
                          "write \"SGD\""))
         cfg = {**cfg, "optimizer": {**opt, "type": "SGD"}}
     try:
-        return ds_settings(cfg), out
+        return ds_settings(cfg, hf=hf), out
     except InputError as err:
         return None, out + [error(err.field, err.message, "see DeepSpeed's config documentation for allowed values")]
 
@@ -134,10 +135,11 @@ def value_rules(cfg: dict, s: DsSettings) -> list[Finding]:
     return out
 
 
-def ds_rules(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
-    """All rules on the config alone, and memplan's reading of it (None when DeepSpeed would refuse a value)."""
+def ds_rules(cfg: dict, hf: bool = False) -> tuple[DsSettings | None, list[Finding]]:
+    """All rules on the config alone, and memplan's reading of it (None when DeepSpeed would refuse a value);
+    ``hf``: see settings_or_finding."""
     findings = removed_keys(cfg) + unknown_top_level(cfg) + strict_sections(cfg)
-    settings, more = settings_or_finding(cfg)
+    settings, more = settings_or_finding(cfg, hf)
     findings += more
     if settings is not None:
         findings += value_rules(cfg, settings)
