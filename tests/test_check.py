@@ -63,7 +63,7 @@ def test_unreadable_input_exits_2(tmp_path, capsys):
     bad = tmp_path / "ds.json"
     bad.write_text("{not json")
     assert main(["check", "--ds-config", str(bad)]) == 2
-    assert "invalid JSON at line 1" in capsys.readouterr().err
+    assert "is not valid JSON (line 1 column" in capsys.readouterr().err
 
 
 def test_clean_config_exits_0(tmp_path, capsys):

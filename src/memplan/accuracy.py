@@ -13,7 +13,6 @@ median and worst |error| per split or per loop. `python -m memplan.accuracy [--s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Iterable, Iterator
@@ -47,11 +46,12 @@ class Comparison:
 
 def iter_rows(folder: Path) -> Iterator[dict]:
     """Every row of every rows*.jsonl file under ``folder`` (or of the file ``folder``), in file order."""
+    from .inputs import read_json_lines
+
     paths = [folder] if folder.is_file() else sorted(folder.glob("rows*.jsonl"))
     for path in paths:
-        for line in path.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)
+        for _, row in read_json_lines(path, "rows"):
+            yield row
 
 
 def job_of_row(row: dict) -> Job:
@@ -61,9 +61,10 @@ def job_of_row(row: dict) -> Job:
     from .presets import load_model
 
     raw = row.get("job") or {}
-    if "loop" not in (raw.get("training") or {}):
+    training = raw.get("training", {}) if isinstance(raw, dict) else None
+    if isinstance(training, dict) and "loop" not in training:
         # rows measured before verify ran other loops: its worker kept only the loss (``loss = engine(...).loss``)
-        raw = {**raw, "training": {**raw.get("training", {}), "loop": "loss"}}
+        raw = {**raw, "training": {**training, "loop": "loss"}}
     job = Job.model_validate(raw)
     try:
         model = load_model(job.model.name)

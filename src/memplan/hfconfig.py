@@ -9,23 +9,24 @@ family; ``architectures`` is only a hint, used when ``model_type`` is missing an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from . import hfconfig_families as families
-from .errors import InputError, from_pydantic
+from .bounds import MAX_LAYERS
+from .errors import InputError, from_pydantic, shorten
 from .hfconfig_keys import MAX_DIM, Keys, show  # noqa: F401 - MAX_DIM is part of this module's API
+from .inputs import MAX_INPUT_BYTES
 from .specs import ModelSpec
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral", *families.BUILDERS)
 #: model types read through a sub-config: gemma3 (multimodal) → its text_config as gemma3_text
 WRAPPERS = ("gemma3",)
 
-#: largest JSON file read (real config.json files are a few KiB)
-MAX_JSON_BYTES = 16 * 2**20
+#: largest JSON file read (real config.json files are a few KiB): memplan.inputs' cap for every input file
+MAX_JSON_BYTES = MAX_INPUT_BYTES
 
 #: ``attribute_map`` of each config class: generic key → the family's own field (GPT2Config, BloomConfig,
 #: MixtralConfig). BloomConfig.__post_init__ also pops ``n_embed`` into hidden_size.
@@ -207,7 +208,7 @@ def _family(cfg: dict) -> str:
             return "gpt2"
         raise InputError("model.model_type", f"missing (and architectures is not GPT2*); allowed: {allowed}")
     if model_type not in FAMILIES + WRAPPERS:
-        raise InputError("model.model_type", f"unsupported model type {model_type!r}; allowed: {allowed}")
+        raise InputError("model.model_type", f"unsupported model type {shorten(model_type)}; allowed: {allowed}")
     return model_type
 
 
@@ -222,6 +223,9 @@ def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     keys = Keys(cfg, family, {**_DEFAULTS, **families.DEFAULTS}[family],
                 {**_ALIASES, **families.ALIASES}.get(family, {}), prefix)
     fields = _BUILDERS.get(family, _llama_like)(keys)
+    if fields["num_layers"] > MAX_LAYERS:  # the estimator lists every layer's tensors (memplan.bounds)
+        layers_key = "n_layer" if family in ("gpt2", "bloom") else "num_hidden_layers"
+        raise keys.error(layers_key, f"{fields['num_layers']} layers; allowed: at most {MAX_LAYERS}")
     try:
         return ModelSpec(name=name, family=family, source=source, **fields)
     except ValidationError as err:
@@ -241,26 +245,12 @@ def transformers_config(cfg: dict) -> dict:
 
 
 def read_json(path: Path, field: str = "model") -> dict:
-    """Read a JSON object from a file; any failure is an InputError naming the file, on one line."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(path))  # one line, always
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_JSON_BYTES + 1)
-    except FileNotFoundError:
-        raise InputError(field, f"no such file: {shown}") from None
-    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise InputError(field, f"cannot read {shown}: {err}".replace("\n", " ")) from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise InputError(field, f"{shown} is larger than {MAX_JSON_BYTES} bytes; a config.json is a few KiB")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise InputError(field, f"{shown} is not UTF-8 text: {err}".replace("\n", " ")) from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise InputError(field, f"malformed JSON in {shown}: {err}".replace("\n", " ")) from None
-    if not isinstance(data, dict):
-        raise InputError(field, f"{shown} must hold a JSON object (got {type(data).__name__})")
-    return data
+    """Read a config.json as transformers does (PretrainedConfig._dict_from_json_file: json.loads of the UTF-8
+    text, so a BOM or a comment is refused and a duplicate key's last value wins), through memplan.inputs: a
+    regular file of at most MAX_JSON_BYTES; any failure is an InputError naming ``field``, on one line."""
+    from .inputs import read_json_object
+
+    return read_json_object(path, field, "json", "config.json")
 
 
 def load_config_file(path: str | Path) -> ModelSpec:

@@ -15,9 +15,10 @@ MAX_DIM = 2**32
 
 
 def show(value: Any) -> str:
-    """A config value for an error message: its repr, cut to 60 characters."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """A config value for an error message (memplan.errors.shorten: cut, its length said, controls escaped)."""
+    from .errors import shorten
+
+    return shorten(value)
 
 
 class Keys:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import get_args
 
 from pydantic import ValidationError
 
+from ..bounds import count_type, rank_count
 from ..dsconfig import apply_to_job_fields, load_ds_config
 from ..errors import InputError
 from ..specs import Job, Layout, Loop, ModelSpec, TrainingSpec, ZeroSpec
@@ -30,9 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--launch", metavar="COMMAND", help="the launch line (deepspeed / torchrun / accelerate launch)")
     g.add_argument("--launch-file", metavar="FILE", help="a shell file holding the launch line")
     parser.add_argument("--model", metavar="NAME|PATH", help="model preset or config.json")
-    parser.add_argument("--gpus", type=_positive, metavar="N", help="world size (default: from the launch line)")
-    parser.add_argument("--nodes", type=_positive, metavar="N", help="nodes (gpus per node = gpus / nodes)")
-    parser.add_argument("--seq", type=_positive, metavar="N", help="tokens per sequence (default: --seq-length)")
+    parser.add_argument("--gpus", type=rank_count, metavar="N", help="world size (default: from the launch line)")
+    parser.add_argument("--nodes", type=rank_count, metavar="N", help="nodes (gpus per node = gpus / nodes)")
+    parser.add_argument("--seq", type=count_type(), metavar="N", help="tokens per sequence (default: --seq-length)")
     parser.add_argument("--gpu", metavar="NAME|SIZE", help="a100-80g, h100-80g, ... or a size")
     parser.add_argument("--target", metavar="SIZE", help="per-GPU budget, e.g. 24GiB")
     parser.add_argument("--loop", choices=get_args(Loop),
@@ -43,26 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
-    return int(text)
-
-
 def _read_model(name: str | None) -> tuple[ModelSpec | None, dict | None]:
+    """The --model spec, and (a config.json path) the file's keys as transformers reads them (memplan.inputs)."""
     if not name:
         return None, None
-    from ..presets import load_model
+    from ..inputs import read_json_object
+    from ..options import model_from_arg
+    from ..presets import list_presets
 
-    model = load_model(name)
-    raw = None
-    if name.endswith(".json"):
-        try:
-            with open(name, encoding="utf-8") as fh:
-                raw = json.load(fh)
-        except (OSError, ValueError):
-            raw = None
-    return model, raw if isinstance(raw, dict) else None
+    model = model_from_arg(name, "--model")
+    if name.strip() in list_presets():
+        return model, None
+    return model, read_json_object(Path(name.strip()).expanduser(), "--model", "json", "config.json")
 
 
 def collect(cfg: dict, launch: Launch | None, model: ModelSpec | None, raw: dict | None,
@@ -169,11 +163,11 @@ def estimate_for(ctx: dict, model: ModelSpec | None, args) -> tuple[object | Non
 
 def _budget(args) -> tuple[int | None, str | None, int | None]:
     target = None
-    if args.target:
+    if args.target is not None:
         from ..cli import _target_bytes
 
         target = _target_bytes(args.target)
-    if args.gpu:
+    if args.gpu is not None:
         from ..gpus import resolve_gpu
 
         gpu = resolve_gpu(args.gpu)
@@ -183,9 +177,15 @@ def _budget(args) -> tuple[int | None, str | None, int | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Check a DeepSpeed config and launch line; exit 1 on any error finding, 0 otherwise, 2 on bad input."""
-    cfg = load_ds_config(args.ds_config)
-    text = read_launch_file(args.launch_file) if args.launch_file else args.launch
-    launch = parse_launch(text) if text else None
+    if args.target is not None or args.gpu is not None:  # bad sizes are refused before any file is read
+        _budget(args)
+    cfg = load_ds_config(args.ds_config, flag="--ds-config")
+    if args.launch_file is not None:
+        launch = parse_launch(read_launch_file(args.launch_file, "--launch-file"), "--launch-file")
+    elif args.launch is not None:  # an empty --launch is refused, as an empty file is
+        launch = parse_launch(args.launch, "--launch")
+    else:
+        launch = None
     model, raw = _read_model(args.model)
     training_args = None
     if getattr(args, "training_args", None):

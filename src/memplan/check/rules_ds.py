@@ -75,8 +75,9 @@ def _at(cfg: dict, path: str):
     return node
 
 
-def settings_or_finding(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
-    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding.
+def settings_or_finding(cfg: dict, hf: bool = False) -> tuple[DsSettings | None, list[Finding]]:
+    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding. ``hf``: the job runs
+    under the Hugging Face Trainer, which fills "auto" values (memplan.dsconfig.ds_settings).
 
     An optimizer DeepSpeed builds but memplan does not model (Lamb, Adagrad, ...) is an info and is left out.
     """
@@ -93,7 +94,7 @@ def settings_or_finding(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
                          "write \"SGD\""))
         cfg = {**cfg, "optimizer": {**opt, "type": "SGD"}}
     try:
-        return ds_settings(cfg), out
+        return ds_settings(cfg, hf=hf), out
     except InputError as err:
         return None, out + [error(err.field, err.message, "see DeepSpeed's config documentation for allowed values")]
 
@@ -168,14 +169,16 @@ def _auto_paths(cfg: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def ds_rules(cfg: dict, trainer: bool = False) -> tuple[DsSettings | None, list[Finding]]:
+def ds_rules(cfg: dict, trainer: bool = False, hf: bool | None = None) -> tuple[DsSettings | None, list[Finding]]:
     """All rules on the config alone, and memplan's reading of it (None when DeepSpeed would refuse a value).
 
-    ``trainer``: the Hugging Face Trainer filled the config first (rules_hf reports what it left)."""
+    ``trainer`` (or ``hf``): the Hugging Face Trainer fills the config (rules_hf reports what it left; see
+    settings_or_finding for the "auto" it accepts)."""
+    trainer = trainer or bool(hf)
     findings = removed_keys(cfg) + unknown_top_level(cfg) + strict_sections(cfg)
     if not trainer:
         findings += auto_rules(cfg)
-    settings, more = settings_or_finding(cfg)
+    settings, more = settings_or_finding(cfg, trainer)
     findings += more
     if settings is not None:
         findings += value_rules(cfg, settings)

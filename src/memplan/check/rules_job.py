@@ -92,8 +92,10 @@ def megatron_flag_rules(launch: Launch) -> list[Finding]:
 
 
 def _int(text: str | None, default: int) -> int:
+    """A script flag's value as its argparse type=int reads it (memplan.check.launch.check_counts has already
+    refused the counts memplan reads when they are not integers in bounds)."""
     try:
-        return int(float(text)) if text not in (None, "") else default
+        return int(text) if text not in (None, "") and len(text) <= 40 else default
     except ValueError:
         return default
 

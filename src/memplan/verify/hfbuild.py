@@ -6,7 +6,6 @@ transformers inside the functions. Nothing is downloaded and remote code is neve
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,10 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
     """The HF config.json keys to build ``spec`` with (underscore keys and remote-code keys dropped; a gemma3
     multimodal config gives its text_config as gemma3_text, the model memplan estimates)."""
     from ..hfconfig import transformers_config
+    from ..inputs import read_json_object
 
     path = _preset_file(spec)
-    raw = json.loads(path.read_text()) if path else _synthesized(spec)
+    raw = read_json_object(path, "--model", "json", "config.json") if path else _synthesized(spec)
     if raw.get("model_type") == "gemma3":
         raw = transformers_config(raw)
     return {k: v for k, v in raw.items() if not k.startswith("_") and k not in _UNSAFE_KEYS}
