@@ -109,3 +109,15 @@ def test_worker_end_to_end_on_cpu(tmp_path):
         assert row["saved_bytes"]["layer1"] == layer, case.name
         assert row["saved_bytes"]["outside"] == outside, case.name
         assert row["predicted"] == predict(case)
+
+
+def test_runner_creates_out_when_work_is_elsewhere(tmp_path):
+    """The first device run passed --work outside --out and died writing OUT/rows.jsonl: OUT must be made."""
+    matrix = tmp_path / "matrix.jsonl"
+    matrix.write_text(CPU_CASES[0].model_dump_json() + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "memplan.verify.megatron_runner", str(matrix), "--out", str(out),
+                           "--work", str(tmp_path / "work"), "--device", "cpu", "--deadline", "0"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.is_dir()

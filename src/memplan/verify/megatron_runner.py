@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
     work = Path(ns.work) if ns.work else out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # --work elsewhere leaves OUT uncreated (the first device run died so)
     rows_path = out / "rows.jsonl"
     only = {x for x in ns.only.split(",") if x}
     cases = [c for c in read_matrix(ns.matrix) if (not only or c.name in only) and c.name not in _done(rows_path)]
