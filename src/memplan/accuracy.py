@@ -37,11 +37,20 @@ class Comparison:
     predicted_phase: str
     split: str = HAND_WRITTEN
     loop: str = "loss"
+    measured_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved() (None: not recorded)
+    predicted_reserved_bytes: int | None = None
 
     @property
     def error(self) -> float:
-        """Signed relative error of the prediction: (predicted − measured) / measured."""
+        """Signed relative error of the peak allocated prediction: (predicted − measured) / measured."""
         return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+    @property
+    def reserved_error(self) -> float | None:
+        """Signed relative error of the peak reserved prediction (None where the row recorded no reserved)."""
+        if not self.measured_reserved_bytes or self.predicted_reserved_bytes is None:
+            return None
+        return (self.predicted_reserved_bytes - self.measured_reserved_bytes) / self.measured_reserved_bytes
 
 
 def iter_rows(folder: Path) -> Iterator[dict]:
@@ -73,16 +82,17 @@ def job_of_row(row: dict) -> Job:
     return job.model_copy(update={"model": model.model_copy(update={"num_layers": job.model.num_layers})})
 
 
-def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, str | None]]:
+def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, int | None, str | None]]:
+    """(name, job, peak allocated, peak reserved, peak phase) of each depth the row measured."""
     job = job_of_row(row)
     layers = row.get("layers")
     if layers and layers.get("measured"):
         for m in layers["measured"]:
             cut = job.model.model_copy(update={"num_layers": m["num_layers"]})
             yield (f"{row['name']}@{m['num_layers']}L", job.model_copy(update={"model": cut}),
-                   m["peak_allocated_bytes"], m.get("peak_phase"))
+                   m["peak_allocated_bytes"], m.get("peak_reserved_bytes"), m.get("peak_phase"))
     else:
-        yield row["name"], job, row["peak_allocated_bytes"], row.get("peak_phase")
+        yield row["name"], job, row["peak_allocated_bytes"], row.get("peak_reserved_bytes"), row.get("peak_phase")
 
 
 def compare_rows(rows) -> list[Comparison]:
@@ -93,12 +103,13 @@ def compare_rows(rows) -> list[Comparison]:
     for row in rows:
         if row.get("status") != "ok":
             continue
-        for name, job, measured, phase in _measured_points(row):
+        for name, job, measured, reserved, phase in _measured_points(row):
             never_stepped = row.get("skipped_steps", 0) >= row.get("steps", 3)
             q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped,
                            skipped=skipped_steps(row))
             out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase,
-                                  split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop))
+                                  split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop,
+                                  measured_reserved_bytes=reserved, predicted_reserved_bytes=q.peak_reserved_bytes))
     return out
 
 
@@ -123,13 +134,22 @@ def skipped_steps(row: dict) -> tuple[int, ...]:
 
 
 def summary(comparisons: list[Comparison]) -> tuple[float, float]:
-    """(median |error|, worst |error|)."""
+    """(median |error|, worst |error|) of peak allocated."""
     errs = [abs(c.error) for c in comparisons]
     return statistics.median(errs), max(errs)
 
 
+def reserved_summary(comparisons: list[Comparison]) -> tuple[int, float, float, float]:
+    """(points with a reserved figure, median |error|, worst |error|, worst under-prediction ≥ 0) of peak
+    reserved; (0, 0, 0, 0) when none has one."""
+    errs = [e for e in (c.reserved_error for c in comparisons) if e is not None]
+    if not errs:
+        return 0, 0.0, 0.0, 0.0
+    return len(errs), statistics.median(abs(e) for e in errs), max(abs(e) for e in errs), max(0.0, -min(errs))
+
+
 def by_group(comparisons: Iterable[Comparison], key: str) -> dict[str, tuple[int, float, float]]:
-    """{split or loop: (points, median |error|, worst |error|)}; ``key`` is "split" or "loop"."""
+    """{split or loop: (points, median |error|, worst |error|)} of peak allocated; ``key``: "split" or "loop"."""
     groups: dict[str, list[Comparison]] = {}
     for c in comparisons:
         groups.setdefault(getattr(c, key), []).append(c)
@@ -145,18 +165,29 @@ def table_lines(comparisons: list[Comparison]) -> list[str]:
     """The accuracy table, worst first, then the whole and per-split / per-loop summaries."""
     from .units import GiB
 
-    head = f"{'job':48} {'split':12} {'loop':10} {'measured GiB':>12} {'predicted GiB':>13} {'error':>7}  "
+    head = (f"{'job':48} {'split':12} {'loop':10} {'measured GiB':>12} {'predicted GiB':>13} {'error':>8} "
+            f"{'reserved GiB':>12} {'error':>8}  ")
     lines = [head + "phase (meas / pred)"]
     for c in sorted(comparisons, key=lambda c: abs(c.error), reverse=True):
+        rerr = c.reserved_error
         lines.append(f"{c.name:48} {c.split:12} {c.loop:10} {c.measured_bytes / GiB:12.3f} "
-                     f"{c.predicted_bytes / GiB:13.3f} {c.error:+7.2%}  {c.measured_phase} / {c.predicted_phase}")
+                     f"{c.predicted_bytes / GiB:13.3f} {c.error:+8.2%} {(c.measured_reserved_bytes or 0) / GiB:12.3f} "
+                     f"{'' if rerr is None else format(rerr, '+8.2%'):>8}  {c.measured_phase} / {c.predicted_phase}")
     if not comparisons:
         return lines + ["0 points"]
     median, worst = summary(comparisons)
-    lines.append(f"{len(comparisons)} points: median |error| {median:.2%}, worst {worst:.2%}")
+    n, rmed, rworst, under = reserved_summary(comparisons)
+    lines.append(f"{len(comparisons)} points: median |error| {median:.2%}, worst {worst:.2%}; reserved ({n} "
+                 f"points): median {rmed:.2%}, worst {rworst:.2%}, most under {under:.2%}")
     for key in ("split", "loop"):
-        for name, (n, med, wst) in by_group(comparisons, key).items():
-            lines.append(f"  {key} {name}: {n} points, median |error| {med:.2%}, worst {wst:.2%}")
+        groups: dict[str, list[Comparison]] = {}
+        for c in comparisons:
+            groups.setdefault(getattr(c, key), []).append(c)
+        for name, group in sorted(groups.items()):
+            med, wst = summary(group)
+            n, rmed, rworst, under = reserved_summary(group)
+            lines.append(f"  {key} {name}: {len(group)} points, median |error| {med:.2%}, worst {wst:.2%}; "
+                         f"reserved median {rmed:.2%}, worst {rworst:.2%}, most under {under:.2%}")
     return lines
 
 
