@@ -53,24 +53,18 @@ def _parts(L: Ledger, live: list[int]) -> tuple[Part, ...]:
 
 
 def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool = True) -> LedgerSummary:
-    """Replay ``L`` and read its peaks (see the module docstring)."""
+    """Replay ``L`` and read its peaks (see the module docstring). Peak allocated is the simulator's
+    torch.cuda.max_memory_allocated (a large-pool block left unsplit counts whole, as in torch's counter); the
+    breakdown is the live set where the ledger's own count peaks in that phase."""
     from ..allocator import simulate
 
     sim = simulate(L, allocator_config(job, card_bytes))
     train = [p for p in sim.phases if p.label != INIT] or list(sim.phases)
-    spans = {label: (a, z) for label, a, z in L.phase_spans()}
-    best_label, best, best_at = None, -1, -1
-    phases = []
-    for p in train:
-        a, z = spans[p.label]
-        peak, at = L.peak(a, z)
-        if at < 0:
-            at = a - 1
-        if peak > best:
-            best_label, best, best_at = p.label, peak, at
-        if timeline:
-            phases.append(Phase(name=p.label, parts=_parts(L, L.live_at(at)) if at >= 0 else ()))
+    at_of = {label: at for label, _a, _z, _peak, at in L.phase_peaks()}
+    best = max(train, key=lambda p: p.peak_allocated_bytes)
+    live = L.live_sets([at_of[p.label] for p in train] if timeline else [at_of[best.label]])
+    phases = tuple(Phase(name=p.label, parts=_parts(L, live[at_of[p.label]])) for p in train) if timeline else ()
     reserved = max(p.peak_reserved_bytes for p in train)
-    components = _parts(L, L.live_at(best_at)) if best_at >= 0 else ()
-    return LedgerSummary(best, best_label or INIT, best_at, reserved, components, tuple(phases),
+    return LedgerSummary(best.peak_allocated_bytes, best.label, at_of[best.label], reserved,
+                         _parts(L, live[at_of[best.label]]), phases,
                          sim.num_alloc_retries, None if sim.oom is None else sim.oom.event)
