@@ -71,6 +71,13 @@ def quick_peak(job: Job, rank0: bool = False, stepped: bool = True, skipped=None
     return _summary(job, build_phases(job, rank0, stepped))
 
 
+def screen_peak(job: Job) -> QuickPeak:
+    """The phase-list model alone (estimator/phases.py: closed forms per phase, microseconds a job): what
+    `plan` screens its thousands of candidates with before quick_peak confirms the ones it shows
+    (memplan.plan.confirm). Not the estimate: for the jobs the ledger models, quick_peak is."""
+    return _summary(job, build_phases(job))
+
+
 def _summary(job: Job, phases) -> QuickPeak:
     """The headline numbers of already built phases."""
     name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
