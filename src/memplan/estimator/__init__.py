@@ -49,11 +49,23 @@ def ledger_steps(skipped=()) -> int:
     return 3 if tuple(skipped) else 2
 
 
-def _ledger_quick(job: Job, skipped) -> QuickPeak:
+def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int | None = None):
+    """The job's ledger replayed and summarized (estimator.summary.LedgerSummary): built with its gradient
+    accumulation folded where that is exact (estimator/fold.py), whole otherwise."""
+    from .fold import folded
     from .program import build_ledger
-    from .summary import summarize
+    from .summary import allocator_config, summarize
 
-    s = summarize(job, build_ledger(job, steps=ledger_steps(skipped), skipped=skipped), timeline=False)
+    steps = ledger_steps(skipped)
+    config = allocator_config(job, card_bytes)
+    short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, tuple(skipped), config)
+    if short is None:
+        return summarize(job, build_ledger(job, steps=steps, skipped=skipped), card_bytes, timeline)
+    return summarize(job, short[0], card_bytes, timeline, sim=short[1])
+
+
+def _ledger_quick(job: Job, skipped) -> QuickPeak:
+    s = ledger_summary(job, skipped, timeline=False)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return QuickPeak(s.peak_allocated_bytes, s.peak_reserved_bytes, s.peak_reserved_bytes + non_torch_bytes(job),
@@ -122,10 +134,7 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
 
 
 def _ledger_estimate(job: Job) -> Estimate:
-    from .program import build_ledger
-    from .summary import summarize
-
-    s = summarize(job, build_ledger(job, steps=ledger_steps()))
+    s = ledger_summary(job)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return Estimate(

@@ -32,6 +32,7 @@ class OptimizerKind:
 OPTIMIZERS = {
     "adamw": OptimizerKind(2, True),
     "torch_adamw": OptimizerKind(2, False),
+    "torch_adamw_fused": OptimizerKind(2, True),  # torch.optim.AdamW(fused=True): _fused_adamw_, no foreach temps
     "cpu_adam": OptimizerKind(2, True),
     "sgd": OptimizerKind(1, True),
     "lion": OptimizerKind(1, True),

@@ -52,13 +52,15 @@ def _parts(L: Ledger, live: list[int]) -> tuple[Part, ...]:
     return tuple(Part(name=c, bytes=n, detail=f"e.g. {names[c]}") for c, n in by.items() if n)
 
 
-def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool = True) -> LedgerSummary:
+def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool = True,
+              sim=None) -> LedgerSummary:
     """Replay ``L`` and read its peaks (see the module docstring). Peak allocated is the simulator's
     torch.cuda.max_memory_allocated (a large-pool block left unsplit counts whole, as in torch's counter); the
-    breakdown is the live set where the ledger's own count peaks in that phase."""
+    breakdown is the live set where the ledger's own count peaks in that phase. ``sim``: ``L`` already replayed
+    (with the same settings)."""
     from ..allocator import simulate
 
-    sim = simulate(L, allocator_config(job, card_bytes))
+    sim = sim or simulate(L, allocator_config(job, card_bytes))
     train = [p for p in sim.phases if p.label != INIT] or list(sim.phases)
     at_of = {label: at for label, _a, _z, _peak, at in L.phase_peaks()}
     best = max(train, key=lambda p: p.peak_allocated_bytes)
