@@ -7,12 +7,13 @@ once while their predicted device totals (memplan.api.estimate; 40 GiB when unav
 DIR/rows.jsonl (and DIR/<name>.json/.md) and summarised on one line.
 
 Lines drawn by memplan.verify.sample carry more keys: SAMPLE_KEYS (split, seed, index, sampler_version,
-sampler_command, needs_gpus, predicted_wall_s, predicted_total_bytes, meta) are copied into the measured row as
-they are. A line whose "needs_gpus" exceeds this node's GPUs (--node-gpus, default: nvidia-smi's count), or
-whose "requires" names a file this checkout lacks, is skipped with a printed reason and not recorded, so a
-later batch on a bigger node or a fuller checkout measures it. Jobs also share the host: --host-budget-gib
-caps the summed pinned host memory of rank 0 (memplan's estimate) of the jobs running at once. NVMe-offload
-jobs are skipped, with a note, when DeepSpeed's async_io op does not load on this machine (no libaio).
+sampler_command, needs_gpus, predicted_wall_s, predicted_total_bytes, fit_bound_bytes, meta) are copied into the
+measured row as they are. A line whose "needs_gpus" exceeds this node's GPUs (--node-gpus, default:
+nvidia-smi's count), or whose "requires" names a file this checkout lacks, is skipped with a printed reason and
+not recorded, so a later batch on a bigger node or a fuller checkout measures it. Jobs also share the host:
+--host-budget-gib caps the summed pinned host memory of rank 0 (memplan's estimate) of the jobs running at
+once. NVMe-offload jobs are skipped, with a note, when DeepSpeed's async_io op does not load on this machine
+(no libaio).
 
 Resumable: names already in DIR/rows.jsonl are skipped (--redo runs them again). --deadline S stops starting
 jobs after S seconds and kills what still runs at S without recording it, so a time-boxed call can be
@@ -40,7 +41,7 @@ from . import command, report, runner
 FALLBACK_TOTAL_BYTES = 40 * GiB
 #: keys of a sampled matrix line (memplan.verify.sample) copied into its measured row
 SAMPLE_KEYS = ("split", "seed", "index", "sampler_version", "sampler_command", "needs_gpus", "predicted_wall_s",
-               "predicted_total_bytes", "meta")
+               "predicted_total_bytes", "fit_bound_bytes", "meta")
 
 
 @dataclass
@@ -86,8 +87,9 @@ def skip_reason(line: dict[str, Any], node_gpus: int) -> str | None:
     return None
 
 
-def parse_item(line: dict[str, Any], out_dir: str) -> Item:
-    """A matrix line → Item with its Job (or the one-line reason it is bad)."""
+def parse_item(line: dict[str, Any], out_dir: str, predict: bool = True) -> Item:
+    """A matrix line → Item with its Job (or the one-line reason it is bad); ``predict`` False leaves the
+    scheduling needs at their fallback (memplan.verify.sample parses lines without the estimator)."""
     item = Item(name=str(line.get("name") or ""), args=[str(a) for a in line.get("args", [])],
                 extra={k: line[k] for k in SAMPLE_KEYS if k in line})
     parser = argparse.ArgumentParser(prog="memplan verify", exit_on_error=False, add_help=False)
@@ -103,7 +105,8 @@ def parse_item(line: dict[str, Any], out_dir: str) -> Item:
         return item
     item.name = item.name or runner.default_name(item.job)
     item.opts["name"] = item.name
-    item.need_bytes, item.host_bytes = predicted_needs(item.job, item.opts.get("layers"))
+    if predict:
+        item.need_bytes, item.host_bytes = predicted_needs(item.job, item.opts.get("layers"))
     return item
 
 

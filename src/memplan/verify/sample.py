@@ -2,17 +2,20 @@
 
 Writes F (JSON lines) that `python -m memplan.verify.batch F --out DIR` runs: one line a job,
 {"name", "args", "split", "seed", "index", "sampler_version", "sampler_command", "predicted_wall_s",
-"predicted_total_bytes", "meta", and "needs_gpus" / "requires" where they apply}. Beside F: ds/<name>.json
+"fit_bound_bytes", "meta", and "needs_gpus" / "requires" where they apply}. Beside F: ds/<name>.json
 (each line's own DeepSpeed JSON), configs/<preset>-L<k>.json (models too large for one H200 cut to k
 layers, each naming its source preset) and F's summary (F with .summary.json: counts, rejections, command).
 
 What is drawn, with which weights and why: memplan.verify.sample_space and
 benchmarks/accuracy/sampled/README.md. A drawn job is rejected only when memplan check's rules refuse it (the
 flags do not make a Job, or check.command.collect reports an error on the DeepSpeed config verify would run),
-when the harness cannot measure it (worker.check_supported), or when it cannot run on one H200: predicted
-device total above DEVICE_LIMIT_BYTES, rank 0's pinned host memory above HOST_LIMIT_BYTES, or its NVMe share
-above NVME_LIMIT_BYTES. A rejected line is drawn again (a fresh draw of the same slot); the summary counts
-every rejection by reason.
+when the harness cannot measure it (worker.check_supported, memplan.verify.sample_rules), or when it cannot
+run on one H200 by the sampler's own pinned bound (memplan.verify.sample_fit, never the estimator, so that a
+seed's file depends on the seed, the count and SAMPLER_VERSION only): device bound above DEVICE_LIMIT_BYTES,
+rank 0's pinned host memory above HOST_LIMIT_BYTES, or its NVMe share above NVME_LIMIT_BYTES. A rejected line
+is drawn again (a fresh draw of the same slot); the summary counts every rejection by reason. Trainer lines
+are validated with HF_TEMPLATE_STAND_IN, the templates' memory-relevant values, so the draw does not read
+examples/ either.
 
 The split: lines pair up (0-1, 2-3, ...); a hash of (seed, pair) picks which of the two is "fit" and which
 "check", so every seed's file is half and half (one over for an odd count) and so is every even prefix.
@@ -37,8 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from ..units import GiB
+from . import sample_rules as rules
 from . import sample_space as space
 from .sample_cost import predicted_wall_s
+from .sample_fit import Bound, fit_bound
+from .sample_knobs import HF_TEMPLATE_STAND_IN, HF_TRAINING_ARGS, HF_TRAINING_ARGS_STAND_IN
 
 DEVICE_LIMIT_BYTES = 130 * GiB
 HOST_LIMIT_BYTES = 100 * GiB
@@ -49,20 +55,6 @@ ATTEMPTS_PER_RELAX = 30
 #: --count's cap when only --budget-s bounds the draw
 MAX_COUNT = 10_000
 
-#: the published templates' memory-relevant, non-"auto" values, to estimate a Trainer line in a checkout that
-#: lacks the file (the batch skips such a line with a note; memplan reads "auto" as DeepSpeed's default)
-HF_TEMPLATE_STAND_IN = {
-    2: {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                              "allgather_bucket_size": 200_000_000, "overlap_comm": True,
-                              "reduce_bucket_size": 200_000_000, "contiguous_gradients": True}},
-    3: {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                              "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
-                              "contiguous_gradients": True, "sub_group_size": 1_000_000_000,
-                              "stage3_max_live_parameters": 1_000_000_000,
-                              "stage3_max_reuse_distance": 1_000_000_000}},
-}
-
-
 class Refused(Exception):
     """A drawn line that memplan check refuses or the H200 cannot hold (its reason is the message)."""
 
@@ -70,7 +62,7 @@ class Refused(Exception):
 
 #: verify's --out while a line is only parsed (never created: nothing runs; verify refuses a device such as
 #: /dev/null as its report folder, memplan.outputs.check_folder)
-_PARSE_ONLY_OUT = os.path.join(tempfile.gettempdir(), "memplan-sample-parse-only")
+PARSE_ONLY_OUT = os.path.join(tempfile.gettempdir(), "memplan-sample-parse-only")
 
 def split_of(seed: int, index: int) -> str:
     """"fit" or "check": one of each per pair of lines, which one from sha256(seed, pair)."""
@@ -136,10 +128,6 @@ def _args(d: space.Draw, model: str, ds_path: str | None) -> list[str]:
     return out
 
 
-#: TrainingArguments for Trainer lines (examples/hf-trainer/README.md)
-HF_TRAINING_ARGS = "examples/hf-trainer/training_args.json"
-
-
 def _name(seed: int, index: int, d: space.Draw) -> str:
     f = d.flags
     stem = d.preset.name + (f"-L{d.cut_layers}" if d.cut_layers else "")
@@ -154,18 +142,17 @@ def _name(seed: int, index: int, d: space.Draw) -> str:
     return "-".join(str(p) for p in parts).replace("/", "_")
 
 
-def _validate(name: str, args: list[str], d: space.Draw, stand_in: str | None) -> tuple[Any, int, int]:
-    """(job, predicted device total, rank 0's host bytes), or Refused."""
+def _validate(name: str, args: list[str], d: space.Draw, stand_ins: dict[str, str]) -> tuple[Any, Bound]:
+    """(job, its pinned fit bound), or Refused; ``stand_ins``: {flag: the file parsed in place of its value}."""
     from ..dsconfig_emit import to_ds_config
     from ..errors import InputError
     from .batch import parse_item
     from .worker import Unsupported, check_supported
 
-    parse_args = args
-    if stand_in is not None:
-        i = args.index("--ds-config")
-        parse_args = args[:i + 1] + [stand_in] + args[i + 2:]
-    item = parse_item({"name": name, "args": parse_args}, _PARSE_ONLY_OUT)
+    parse_args = list(args)
+    for flag, path in stand_ins.items():
+        parse_args[parse_args.index(flag) + 1] = path
+    item = parse_item({"name": name, "args": parse_args}, PARSE_ONLY_OUT, predict=False)
     if item.error:
         raise Refused(f"flags: {item.error}")
     job = item.job
@@ -173,6 +160,9 @@ def _validate(name: str, args: list[str], d: space.Draw, stand_in: str | None) -
         check_supported(job, "real" if d.needs_gpus > 1 else "emulated")
     except Unsupported as exc:
         raise Refused(f"harness: {exc}") from None
+    why = harness_reason(job)
+    if why:
+        raise Refused(f"harness: {why}")
     try:
         cfg = to_ds_config(job)
     except InputError as exc:
@@ -180,18 +170,24 @@ def _validate(name: str, args: list[str], d: space.Draw, stand_in: str | None) -
     errors = [f for f in check_findings(cfg, job) if f.severity == "error"]
     if errors:
         raise Refused(f"check: {errors[0].subject}: {errors[0].message}")
-    from ..api import estimate
+    bound = fit_bound(job)
+    if bound.device_bytes > DEVICE_LIMIT_BYTES:
+        raise Refused("fit: device bound above 130 GiB")
+    if bound.host_bytes > HOST_LIMIT_BYTES:
+        raise Refused("fit: rank 0's host bound above 100 GiB")
+    if bound.nvme_bytes > NVME_LIMIT_BYTES:
+        raise Refused("fit: rank 0's NVMe bound above 20 GiB")
+    return job, bound
 
-    est = estimate(job)
-    ranks = min(job.layout.world, job.layout.gpus_per_node)
-    host, nvme = est.host_bytes_per_node // ranks, est.nvme_bytes_per_node // ranks
-    if est.device_total_bytes > DEVICE_LIMIT_BYTES:
-        raise Refused("fit: device total above 130 GiB")
-    if host > HOST_LIMIT_BYTES:
-        raise Refused("fit: rank 0's host memory above 100 GiB")
-    if nvme > NVME_LIMIT_BYTES:
-        raise Refused("fit: rank 0's NVMe share above 20 GiB")
-    return job, est.device_total_bytes, host
+
+def harness_reason(job) -> str | None:
+    """Why the measuring harness cannot run ``job`` by memplan.verify.sample_rules (None: it can)."""
+    t, sp = job.training, job.layout.sp
+    why = rules.attention_reason(job.model, t.attention, t.seq_len, sp, t.dtype)
+    why = why or (rules.ulysses_reason(job.model) if sp > 1 else None)
+    if why is None and "nvme" in (t.zero.offload_optimizer, t.zero.offload_param):
+        why = "NVMe offload: DeepSpeed's async_io op does not build on the GPU image"
+    return why
 
 
 def check_findings(cfg: dict, job) -> list:
@@ -222,10 +218,12 @@ class Sampler:
         self._tmp = out.parent / ".stand-in"
         self.last_created: Path | None = None  # the cut config the last accepted line wrote first
 
-    def _stand_in(self, stage: int) -> str:
-        path = self._tmp / f"hf_zero{stage}.json"
-        write_json(path, HF_TEMPLATE_STAND_IN[stage])
-        return str(path)
+    def _stand_ins(self, stage: int) -> dict[str, str]:
+        """The Trainer line's files as the draw parses them (pinned copies, not examples/)."""
+        ds, args = self._tmp / f"hf_zero{stage}.json", self._tmp / "training_args.json"
+        write_json(ds, HF_TEMPLATE_STAND_IN[stage])
+        write_json(args, HF_TRAINING_ARGS_STAND_IN)
+        return {"--ds-config": str(ds), "--training-args": str(args)}
 
     def line(self, slot: space.Slot) -> dict[str, Any] | None:
         """The accepted line of ``slot`` (None when every relaxation failed)."""
@@ -240,36 +238,36 @@ class Sampler:
                 new_config = None if path.exists() else path
                 write_json(path, cut_config(d.preset, d.cut_layers))
                 model = _rel(path)
-            ds_path, stand_in, requires = None, None, []
+            ds_path, stand_ins, requires = None, {}, []
             if d.ds is not None:
                 ds_file = self.ds_dir / f"s{self.seed}-{slot.index:03d}.json"
                 write_json(ds_file, d.ds)
                 ds_path = _rel(ds_file)
             else:
                 ds_path = d.hf_template
-                requires = [d.hf_template]
-                if not Path(d.hf_template).is_file():
-                    stand_in = self._stand_in(3 if d.hf_template.endswith("zero3.json") else 2)
+                requires = [d.hf_template, HF_TRAINING_ARGS]
+                stand_ins = self._stand_ins(3 if d.hf_template.endswith("zero3.json") else 2)
             args = _args(d, model, ds_path)
             try:
-                job, total, host = _validate(name, args, d, stand_in)
+                job, bound = _validate(name, args, d, stand_ins)
             except Refused as exc:
                 self.rejections[re.sub(r"\d+", "#", str(exc))[:110]] += 1
                 if new_config is not None:
                     new_config.unlink()  # written for this attempt only
                 continue
+            z = job.training.zero
             wall, terms = predicted_wall_s(job, launch=d.needs_gpus > 1, hf_trainer=d.hf_template is not None,
-                                           host_bytes=host)
+                                           host_bytes=bound.host_bytes)
             self.last_created = new_config
             if relax:
                 self.relaxed.append({"index": slot.index, "design_regime": slot.regime, "relaxed": relax})
             line: dict[str, Any] = {
                 "name": name, "args": args, "split": split_of(self.seed, slot.index), "seed": self.seed,
                 "index": slot.index, "sampler_version": space.SAMPLER_VERSION, "sampler_command": self.command,
-                "predicted_wall_s": wall, "predicted_total_bytes": total,
-                "meta": {**d.meta, "attempts": attempt + 1, "cut_layers": d.cut_layers,
-                         "predicted_host_bytes_rank0": host, "wall_terms": terms,
-                         **({"predicted_with_stand_in": True} if stand_in else {})},
+                "predicted_wall_s": wall, "fit_bound_bytes": bound.device_bytes,
+                "meta": {**d.meta, "attempts": attempt + 1, "cut_layers": d.cut_layers, "zero": z.stage,
+                         "sp": job.layout.sp, "offload": f"opt {z.offload_optimizer} / param {z.offload_param}",
+                         "fit_host_bytes_rank0": bound.host_bytes, "wall_terms": terms},
             }
             if d.needs_gpus > 1:
                 line["needs_gpus"] = d.needs_gpus
@@ -302,44 +300,6 @@ class Sampler:
                 f.unlink()
             self._tmp.rmdir()
         return lines
-
-
-def summary(lines: list[dict[str, Any]], sampler: Sampler) -> dict[str, Any]:
-    """Counts per dimension, predicted wall time, rejections by reason."""
-    from .batch import parse_item
-
-    c: dict[str, Counter] = {k: Counter() for k in ("family", "loop", "zero", "split", "regime", "sp", "offload",
-                                                     "lora", "needs_gpus")}
-    for line in lines:
-        m = line["meta"]
-        a = line["args"]
-        flag = {a[i]: a[i + 1] for i in range(len(a) - 1) if a[i].startswith("--")}
-        c["family"][m["family"]] += 1
-        c["loop"][m["loop"]] += 1
-        c["split"][line["split"]] += 1
-        c["regime"][m["regime"]] += 1
-        c["lora"][str(m["lora"])] += 1
-        c["needs_gpus"][str(line.get("needs_gpus", 1))] += 1
-        job = None if line.get("requires") and not Path(line["requires"][0]).is_file() else \
-            parse_item(line, _PARSE_ONLY_OUT).job
-        if job is not None:
-            z = job.training.zero
-            c["zero"][str(z.stage)] += 1
-            c["sp"][str(job.layout.sp)] += 1
-            c["offload"][f"opt {z.offload_optimizer} / param {z.offload_param}"] += 1
-        else:
-            stage = next((k for k, v in space.HF_TEMPLATES.items() if v == flag.get("--ds-config")), "?")
-            c["zero"][str(stage)] += 1
-            c["sp"]["1"] += 1
-            c["offload"]["hf template (file missing)"] += 1
-    from .. import __version__
-
-    return {"command": sampler.command, "seed": sampler.seed, "sampler_version": space.SAMPLER_VERSION,
-            "memplan_version": __version__,
-            "lines": len(lines), "predicted_wall_s": round(sum(x["predicted_wall_s"] for x in lines), 1),
-            "counts": {k: dict(sorted(v.items())) for k, v in c.items()},
-            "rejections": dict(sorted(sampler.rejections.items(), key=lambda kv: -kv[1])),
-            "relaxed": sampler.relaxed}
 
 
 def _positive(text: str) -> int:
@@ -395,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
     tmp.replace(out)
+    from .sample_summary import summary
+
     info = summary(lines, sampler)
     write_json(out.with_name(out.name.removesuffix(".jsonl") + ".summary.json"), info)
     print(f"{len(lines)} lines, predicted {info['predicted_wall_s']:.0f} s of wall time summed -> {out}")

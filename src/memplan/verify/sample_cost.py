@@ -72,7 +72,7 @@ def _tensor_count(job: Job) -> int:
     return len(parameter_tensors(job.model))
 
 
-def _trainable_params(job: Job, total: int) -> int:
+def trainable_params(job: Job, total: int) -> int:
     """Parameters the optimizer steps: LoRA's adapters, else all (frozen groups ignored: an upper bound)."""
     lora = job.training.lora
     if lora is None:
@@ -93,7 +93,7 @@ def predicted_wall_s(job: Job, *, launch: bool = False, hf_trainer: bool = False
     """(seconds, the terms) for one verify job; ``host_bytes``: rank 0's pinned host bytes (offload)."""
     t, lay, z = job.training, job.layout, job.training.zero
     total, matmul, layer_params = _matmul_params(job)
-    trainable = _trainable_params(job, total)
+    trainable = trainable_params(job, total)
     init = INIT_BASE_S + BUILD_S_PER_GPARAM * total / 1e9
     if z.offload_optimizer != "none" or z.offload_param != "none":
         init += OFFLOAD_INIT_S + host_bytes / PIN_BYTES_PER_S
@@ -132,4 +132,4 @@ def predicted_wall_s(job: Job, *, launch: bool = False, hf_trainer: bool = False
     return round(sum(terms.values()), 1), terms
 
 
-__all__ = ["predicted_wall_s"]
+__all__ = ["predicted_wall_s", "trainable_params"]

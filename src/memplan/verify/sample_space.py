@@ -1,9 +1,11 @@
 """The job space memplan.verify.sample draws from: presets, weights, and the slot design behind its quotas.
 
-Pure (no torch, no files written): `catalog()` describes every preset in models/, `slots(seed, count)` lays
+Pure (no torch, no files written): `catalog()` describes the presets of SAMPLER_PRESETS, `slots(seed, count)` lays
 out which loop, LoRA design, regime and reserved family each line gets, and `draw(slot, rng, paths)` draws
 the remaining dimensions of one line. memplan.verify.sample turns a draw into a matrix line and rejects what
-memplan check refuses or what cannot fit the H200. benchmarks/accuracy/sampled/README.md explains the weights.
+memplan check refuses or what cannot fit the H200 (memplan.verify.sample_fit's pinned bound, never the
+estimator); memplan.verify.sample_rules says what the harness cannot run. benchmarks/accuracy/sampled/README.md
+explains the weights.
 
 The slot design: lines come in rounds of ROUND_SIZE (30) lines, four rounds to a block of 120. Every round
 holds each family once (the rest of its family slots are drawn by FAMILY_WEIGHTS), LOOPS_PER_ROUND of each
@@ -20,10 +22,30 @@ from functools import lru_cache
 from typing import Any
 
 from ..specs import ModelSpec
+from . import sample_rules as rules
 from .pipeline import SUPPORTED_FAMILIES as PP_FAMILIES
+from .sample_knobs import knobs, lora_flags, pick
 
-#: bump whenever a weight, table or rule below changes what a seed draws
-SAMPLER_VERSION = "1"
+#: bump whenever a weight, table or rule here, in sample_knobs, sample_rules or sample_fit changes what a seed
+#: draws; a seed's file is a function of (seed, count, SAMPLER_VERSION) and the pinned presets below
+SAMPLER_VERSION = "2"
+#: what each version changed (the summary JSON records the current one)
+VERSION_NOTES = {
+    "1": "the first draw: fit judged by memplan.api.estimate of its day (its draws moved with the estimator)",
+    "2": "fit judged by the pinned bound memplan.verify.sample_fit, not the estimator; the presets pinned "
+         "(SAMPLER_PRESETS); sample_rules: BLOOM eager only, flash not where transformers passes a mask or MLA's "
+         "values are narrower, no Ulysses for MLA, Mixtral without head_dim or configs without "
+         "num_key_value_heads, no NVMe offload; sp drawn before attention; the Trainer templates' stand-in "
+         "always (the draw does not read examples/)",
+}
+#: the presets version 2 draws from (models/<name>.json): a preset added later is drawn from the next version
+SAMPLER_PRESETS = (
+    "176b", "bloom-176b", "bloom-1b7", "bloom-560m", "deepseek-v3-4l", "deepseek-v3", "gemma-2-2b", "gemma-2-9b",
+    "gemma-3-4b", "gpt2-large", "gpt2-xl", "gpt3-175b", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-405b",
+    "llama-3-70b", "llama-3-8b", "llama-3.2-1b", "mistral-7b", "mixtral-8x7b", "olmo-2-1b", "olmo-2-7b",
+    "phi-3-medium", "phi-3-mini", "pythia-1b", "qwen2.5-0.5b", "qwen2.5-72b", "qwen2.5-7b", "qwen3-0.6b",
+    "qwen3-1.7b", "qwen3-30b-a3b", "tinymixtral",
+)
 
 ROUND_SIZE = 30
 #: loops per round of 30: 13 + 8 + 9 (a block of 120 holds 52 / 32 / 36, each >= 15)
@@ -68,15 +90,14 @@ EAGER_MAX_SEQ = 4096
 #: torch_adamw_fused is accepted by the flags but to_ds_config has no mapping for it, so it is never drawn
 OPTIMIZER_WEIGHTS = {"adamw": 0.72, "torch_adamw": 0.10, "sgd": 0.09, "lion": 0.09, "torch_adamw_fused": 0.0}
 OFFLOADED_OPTIMIZER_WEIGHTS = {"adamw": 0.85, "lion": 0.15}
-OFFLOAD_OPTIMIZER_WEIGHTS = {"none": 0.74, "cpu": 0.23, "nvme": 0.03}
-OFFLOAD_PARAM_WEIGHTS = {"none": 0.80, "cpu": 0.18, "nvme": 0.02}
+#: nvme 0 from version 2 (version 1: .03 / .02): async_io does not build on the GPU image (sample_rules)
+OFFLOAD_OPTIMIZER_WEIGHTS = {"none": 0.74, "cpu": 0.23, "nvme": 0.0}
+OFFLOAD_PARAM_WEIGHTS = {"none": 0.80, "cpu": 0.18, "nvme": 0.0}
 #: P(full checkpointing) by sequence length (selective is not drawn: transformers has no selective mode)
 CKPT_BY_SEQ = ((2048, 0.25), (4096, 0.40), (8192, 0.55), (16384, 0.70), (2**40, 0.90))
 #: P(Ulysses sp > 1) by sequence length, and sp's weights
 SP_BY_SEQ = ((4096, 0.0), (16384, 0.25), (2**40, 0.50))
 SP_WEIGHTS = {2: 0.30, 4: 0.35, 8: 0.35}
-P_KNOBS = 0.35      # a line of its own ZeRO knobs (each knob then drawn with P_EACH_KNOB)
-P_EACH_KNOB = 0.40
 P_FREEZE = 0.08
 P_EXPANDABLE = 0.15
 FREEZE_CHOICES = ("embeddings", "norms", "layers:quarter", "embeddings,lm_head")
@@ -110,12 +131,12 @@ class Preset:
 
 @lru_cache(maxsize=1)
 def catalog() -> tuple[Preset, ...]:
-    """Every preset in models/ (memplan.presets.list_presets), with its parameter counts."""
+    """The presets of SAMPLER_PRESETS (models/), with their parameter counts."""
     from ..params import parameter_tensors
-    from ..presets import list_presets, load_model
+    from ..presets import load_model
 
     out = []
-    for name in list_presets():
+    for name in SAMPLER_PRESETS:
         spec = load_model(name)
         tensors = parameter_tensors(spec)
         per_layer: dict[int, int] = {}
@@ -138,10 +159,10 @@ def _is_7b(p: Preset) -> bool:
 REGIME_PRESETS = {
     "wide_z3": lambda p: p.spec.hidden_size >= 12288,
     "ulysses_long": lambda p: _is_7b(p) and p.family != "gpt2" and p.spec.max_position_embeddings >= 32768
-    and p.spec.num_kv_heads % 4 == 0,
+    and p.spec.num_kv_heads % 4 == 0 and rules.ulysses_reason(p.spec) is None,
     "moe_z3": lambda p: p.spec.num_experts > 0,
     "tp_real": lambda p: p.family in TP_FAMILIES and p.full_size and p.params <= 4 * 10**9,
-    "pp": lambda p: p.family in PP_FAMILIES and p.full_size,  # the families verify.pipeline builds
+    "pp": lambda p: p.family in PP_FAMILIES and p.full_size and not rules.eager_only(p.spec),  # verify.pipeline
     "z3_small_knobs": lambda p: True,
     "fp16_scaler": lambda p: True,
     "free": lambda p: True,
@@ -217,12 +238,6 @@ def slots(seed: int, count: int) -> list[Slot]:
 # ---------------------------------------------------------------------------------------------- the draw
 
 
-def pick(rng: random.Random, weights: dict) -> Any:
-    """One key of ``weights`` drawn in proportion to its weight (keys of weight 0 never)."""
-    keys = [k for k, w in weights.items() if w > 0]
-    return rng.choices(keys, weights=[weights[k] for k in keys])[0]
-
-
 def _by_threshold(table, value) -> float:
     return next(p for limit, p in table if value <= limit)
 
@@ -255,16 +270,18 @@ def _preset(rng: random.Random, family: str, regime: str) -> tuple[Preset, int |
 def _seq(rng: random.Random, p: Preset, regime: str) -> int:
     table = {"ulysses_long": {32768: 0.4, 65536: 0.35, 131072: 0.25},
              "wide_z3": {1024: 0.3, 2048: 0.4, 4096: 0.3}}.get(regime, SEQ_WEIGHTS)
-    # memplan check refuses seq > max_position_embeddings (rules_job.model_shape_rules): not drawn
-    allowed = {s: w for s, w in table.items() if s <= p.spec.max_position_embeddings}
+    # memplan check refuses seq > max_position_embeddings (rules_job.model_shape_rules): not drawn; nor eager
+    # beyond EAGER_MAX_SEQ for a model that has no other attention (sample_rules.eager_only)
+    cap = min(p.spec.max_position_embeddings, EAGER_MAX_SEQ if rules.eager_only(p.spec) else 2**62)
+    allowed = {s: w for s, w in table.items() if s <= cap}
     return pick(rng, allowed or {min(SEQ_WEIGHTS): 1.0})
 
 
-def _sp(rng: random.Random, p: Preset, seq: int, regime: str, attention: str) -> int:
+def _sp(rng: random.Random, p: Preset, seq: int, regime: str) -> int:
     m = p.spec
     if regime == "ulysses_long":
         options = {4: 0.4, 8: 0.6}
-    elif m.family == "gpt2" or attention == "eager" or rng.random() >= _by_threshold(SP_BY_SEQ, seq):
+    elif rules.ulysses_reason(m) is not None or rng.random() >= _by_threshold(SP_BY_SEQ, seq):
         return 1
     else:
         options = SP_WEIGHTS
@@ -275,60 +292,6 @@ def _sp(rng: random.Random, p: Preset, seq: int, regime: str, attention: str) ->
 def _world(rng: random.Random, inner: int, cap: int = 64) -> int:
     ok = {w: x for w, x in WORLD_WEIGHTS.items() if w % inner == 0 and w <= cap}
     return pick(rng, ok) if ok else inner
-
-
-def _knobs(rng: random.Random, p: Preset, stage: int, regime: str, sp: int, dtype: str) -> dict[str, Any]:
-    """zero_optimization keys (and data_types / sp dtype) of the line's own DeepSpeed JSON."""
-    h, layer = p.spec.hidden_size, p.layer_params
-    zero: dict[str, Any] = {}
-    out: dict[str, Any] = {}
-    if regime == "z3_small_knobs":
-        which = pick(rng, {"live": 0.4, "prefetch": 0.4, "both": 0.2})
-        for key, tag in (("stage3_max_live_parameters", "live"), ("stage3_prefetch_bucket_size", "prefetch")):
-            if which in (tag, "both"):
-                zero[key] = max(1, int(layer * rng.choice((0.1, 0.25, 0.5, 0.9))))
-    elif rng.random() < P_KNOBS:
-        table: dict[str, tuple] = {"reduce_bucket_size": (50_000_000, 100_000_000, 200_000_000, 500_000_000, h * h),
-                                   "contiguous_gradients": (True, True, True, False)}
-        if stage in (1, 2):
-            table |= {"allgather_bucket_size": (50_000_000, 200_000_000, 500_000_000), "overlap_comm": (True, False)}
-        if stage == 3:
-            table |= {"stage3_prefetch_bucket_size": (int(0.9 * h * h), 50_000_000, 200_000_000, int(0.5 * layer)),
-                      "stage3_param_persistence_threshold": (0, 10_000, 1_000_000, 10 * h),
-                      "stage3_max_live_parameters": (100_000_000, 300_000_000, 1_000_000_000, int(0.5 * layer)),
-                      "stage3_max_reuse_distance": (0, 100_000_000, 1_000_000_000),
-                      "overlap_comm": (True, True, False)}
-        if stage >= 1:
-            table["sub_group_size"] = (100_000_000, 1_000_000_000)
-        for key, values in table.items():
-            if rng.random() < P_EACH_KNOB:
-                zero[key] = rng.choice(values)
-        if stage >= 1 and dtype == "bf16" and rng.random() < 0.15:
-            out["data_types"] = {"grad_accum_dtype": "fp32"}
-        if sp > 1 and rng.random() < 0.3:
-            out["seq_parallel_communication_data_type"] = "bf16"
-    if zero:
-        out["zero_optimization"] = zero
-    return out
-
-
-def _lora_flags(p: Preset, design: LoraDesign) -> dict[str, Any]:
-    """Attention-only: peft's default targets for the family that the model has (else its attention input
-    projections by role); or all-linear."""
-    from ..params import linear_modules, parameter_tensors
-    from ..peftconfig import DEFAULT_TARGETS, module_matches
-
-    if design.targets == "all-linear":
-        targets = "all-linear"
-    else:
-        linears = linear_modules(p.spec)
-        names = [t for t in DEFAULT_TARGETS.get(p.family, ()) if any(module_matches(m, t) for m in linears)]
-        if not names:
-            leaves = {t.name.removesuffix(".weight").rsplit(".", 1)[-1] for t in parameter_tensors(p.spec)
-                      if t.role == "attn_in" and t.name.endswith(".weight")}
-            names = sorted(leaves)
-        targets = ",".join(names)
-    return {"--lora-rank": design.rank, "--lora-targets": targets, "--lora-dropout": design.dropout}
 
 
 def draw(slot: Slot, rng: random.Random, relax: int = 0) -> Draw:
@@ -365,12 +328,12 @@ def draw(slot: Slot, rng: random.Random, relax: int = 0) -> Draw:
         ckpt = "none"  # the pipeline builder does not wire checkpointing (verify.pipeline)
     else:
         ckpt = "full" if rng.random() < _by_threshold(CKPT_BY_SEQ, seq) else "none"
-    attn = {k: w for k, w in ATTENTION_WEIGHTS.items()
-            if not (k == "eager" and (seq > EAGER_MAX_SEQ or regime in ("pp", "ulysses_long")))
-            and not (k == "flash" and (dtype == "fp32" or p.spec.head_dim > 256 or p.spec.head_dim % 8))}
-    attention = pick(rng, attn)
     tp = pp = 1
-    sp = 1 if hf or regime in ("tp_real", "pp") else _sp(rng, p, seq, regime, attention)
+    sp = 1 if hf or regime in ("tp_real", "pp") else _sp(rng, p, seq, regime)
+    attn = {k: w for k, w in ATTENTION_WEIGHTS.items()
+            if not (k == "eager" and (seq > EAGER_MAX_SEQ or regime == "pp"))
+            and rules.attention_reason(p.spec, k, seq, sp, dtype) is None}
+    attention = pick(rng, attn)
     needs = 1
     if regime == "tp_real":
         ok = {t: w for t, w in TP_WEIGHTS.items() if p.spec.num_heads % t == 0 and p.spec.num_kv_heads % t == 0}
@@ -400,10 +363,10 @@ def draw(slot: Slot, rng: random.Random, relax: int = 0) -> Draw:
         flags.update({"--zero": stage, "--sp": sp, "--tp": tp, "--pp": pp, "--optimizer": opt,
                       "--offload-optimizer": oo, "--offload-param": op})
         d.ds = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": ga,
-                **_knobs(rng, p, stage, regime, sp, dtype)}
+                **knobs(rng, p, stage, regime, sp, dtype)}
         d.ds.setdefault("zero_optimization", {})["stage"] = stage
     if lora is not None:
-        flags.update(_lora_flags(p, lora))
+        flags.update(lora_flags(p, lora))
     elif regime not in ("tp_real", "pp") and rng.random() < P_FREEZE:
         choice = rng.choice(FREEZE_CHOICES)
         layers = cut or p.spec.num_layers
