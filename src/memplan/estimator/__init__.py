@@ -64,6 +64,28 @@ def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int 
     return summarize(job, short[0], card_bytes, timeline, sim=short[1])
 
 
+def ledger_trace(job: Job) -> dict | None:
+    """The job's predicted ledger and its replay as Chrome trace-event JSON (memplan.allocator.chrome: counter
+    tracks for allocated and reserved, one slice per tensor), or None when the ledger does not model the job.
+    With gradient accumulation folded (estimator/fold.py) the trace shows the micro-steps actually built."""
+    if not ledger_supported(job):
+        return None
+    from ..allocator import simulate
+    from ..allocator.chrome import chrome_trace
+    from .fold import folded
+    from .program import build_ledger
+    from .summary import allocator_config
+
+    steps, config = ledger_steps(), allocator_config(job)
+    short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, (), config)
+    L, sim = short if short is not None else (build_ledger(job, steps=steps), None)
+    trace = chrome_trace(L, sim or simulate(L, config))
+    built = sum(1 for m in L.marks if m.label.startswith("step0.") and m.label.endswith(".forward"))
+    trace["otherData"].update(job=job.model.name, micro_steps_built=built,
+                              micro_steps=job.training.grad_accum, optimizer_steps=steps)
+    return trace
+
+
 def _ledger_quick(job: Job, skipped) -> QuickPeak:
     s = ledger_summary(job, skipped, timeline=False)
     st = model_states(job, rank_share(job))
