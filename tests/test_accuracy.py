@@ -1,7 +1,8 @@
 """The measured matrix: every committed verify row's peak allocated against the estimate.
 
 Rows come from real GPU runs (benchmarks/accuracy/rows*.jsonl, each with its environment and command).
-The bar (issue 2/3): median |error| <= 2 %, worst <= 5 %, over the whole matrix. Rows drawn by
+The bars (the brief): peak allocated median |error| <= 1 %, worst <= 3 %; peak reserved median <= 5 %, worst
+<= 10 %, never more than 3 % under; held on the rows the model may be studied on and, apart, on the check split. Rows drawn by
 memplan.verify.sample carry a split ("fit" / "check", issue 13); the table reports each split and each loop
 apart (`python -m memplan.accuracy --split check` prints the held-out split alone).
 """
@@ -16,28 +17,50 @@ from memplan.accuracy import (
     Comparison,
     by_group,
     compare_rows,
+    false_fits,
     iter_rows,
     main,
+    reserved_summary,
     select,
     summary,
     table_lines,
 )
 
 ROWS = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy"
-MEDIAN_BAR, WORST_BAR, MIN_ROWS = 0.02, 0.05, 40
+#: the brief's bars: peak allocated against torch.cuda.max_memory_allocated(), peak reserved against
+#: max_memory_reserved() (never more than 3 % under: a false "fits")
+ALLOC_MEDIAN, ALLOC_WORST = 0.01, 0.03
+RESERVED_MEDIAN, RESERVED_WORST, RESERVED_UNDER = 0.05, 0.10, 0.03
+MIN_POINTS = {"tuned": 40, "check": 20}
 
 
-def test_measured_matrix_within_bars(capsys):
-    comparisons = compare_rows(iter_rows(ROWS))
+@pytest.fixture(scope="module")
+def comparisons():
+    return compare_rows(iter_rows(ROWS))
+
+
+@pytest.mark.parametrize("part", ["tuned", "check"])
+def test_measured_matrix_within_bars(part, comparisons, capsys):
+    """"tuned": the hand-written matrices and the sampled fit split (what the model may be studied on);
+    "check": the sampled split it never was."""
+    points = [c for c in comparisons if (c.split == "check") == (part == "check")]
     with capsys.disabled():
-        print("\n" + "\n".join(table_lines(comparisons)))
-    median, worst = summary(comparisons)
-    assert len(comparisons) >= MIN_ROWS, f"only {len(comparisons)} measured points"
-    assert median <= MEDIAN_BAR, f"median |error| {median:.2%} > {MEDIAN_BAR:.0%}"
-    assert worst <= WORST_BAR, f"worst |error| {worst:.2%} > {WORST_BAR:.0%}"
-    # every point is reported under exactly one split and one loop
-    for key in ("split", "loop"):
-        assert sum(n for n, _, _ in by_group(comparisons, key).values()) == len(comparisons)
+        print("\n" + "\n".join(table_lines(points)))
+    assert len(points) >= MIN_POINTS[part], f"only {len(points)} measured points"
+    median, worst = summary(points)
+    assert median <= ALLOC_MEDIAN, f"peak allocated: median |error| {median:.2%} > {ALLOC_MEDIAN:.0%}"
+    assert worst <= ALLOC_WORST, f"peak allocated: worst |error| {worst:.2%} > {ALLOC_WORST:.0%}"
+    n, rmedian, rworst, under = reserved_summary(points)
+    assert n == len(points)
+    assert rmedian <= RESERVED_MEDIAN, f"peak reserved: median |error| {rmedian:.2%}"
+    assert rworst <= RESERVED_WORST, f"peak reserved: worst |error| {rworst:.2%}"
+    assert under <= RESERVED_UNDER, f"peak reserved: {under:.2%} under the measured value"
+    for key in ("split", "loop"):  # every point is reported under exactly one split and one loop
+        assert sum(n for n, _, _ in by_group(points, key).values()) == len(points)
+
+
+def test_no_measured_oom_is_called_a_fit():
+    assert false_fits(iter_rows(ROWS)) == []
 
 
 def _cmp(name, measured, predicted, split, loop):

@@ -113,6 +113,23 @@ def compare_rows(rows) -> list[Comparison]:
     return out
 
 
+def false_fits(rows) -> list[tuple[str, int, int]]:
+    """(name, predicted device total, the card's bytes) of every measured OOM the estimate calls a fit on the
+    card it ran on (``env.gpu_total_bytes``): the worst bug this tool can have."""
+    from .estimator import quick_peak
+
+    out = []
+    for row in rows:
+        card = (row.get("env") or {}).get("gpu_total_bytes")
+        if row.get("status") != "oom" or not card:
+            continue
+        job = job_of_row(row)
+        q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated")
+        if q.device_total_bytes <= card:
+            out.append((row["name"], q.device_total_bytes, card))
+    return out
+
+
 def skipped_steps(row: dict) -> tuple[int, ...]:
     """The indices of the measured optimizer steps the fp16 loss scaler skipped: the row's own record, or (rows
     measured before verify recorded which) the first ``skipped_steps`` of them."""
