@@ -23,6 +23,7 @@ from ..units import MiB, dtype_bytes
 from .autograd import Autograd
 from .families import forward
 from .optim import Optimizer
+from .places import Places
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
 from .zero3 import Zero3
@@ -55,14 +56,14 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
     return ids
 
 
-def _engine(L: Ledger, job: Job, trainable):
+def _engine(L: Ledger, job: Job, trainable, places: Places):
     from ..params import parameter_tensors
 
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
     names = [p.name for p in parameter_tensors(job.model) if trainable(p.name)]
     numels = [p.numel for p in parameter_tensors(job.model) if trainable(p.name)]
-    opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none")
+    opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
     if z.stage in (1, 2):
@@ -74,7 +75,8 @@ def _engine(L: Ledger, job: Job, trainable):
     comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
     all_names = [p.name for p in parameter_tensors(job.model)]
     all_numels = [p.numel for p in parameter_tensors(job.model)]
-    return Zero3(L, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm)
+    return Zero3(places, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm, t.grad_accum,
+                 t.dtype == "fp16")
 
 
 def shape(job: Job) -> Shape:
@@ -82,15 +84,19 @@ def shape(job: Job) -> Shape:
     return Shape(t.micro_batch, t.seq_len // lay.sp, t.seq_len, dtype_bytes(t.dtype), positions_given=lay.sp > 1)
 
 
-def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
+def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = None, cpu_run: bool = False
+                 ) -> Ledger:
     """The job's allocation ledger on rank 0 (see the module docstring). ``skipped``: the optimizer steps
-    (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds)."""
+    (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds). ``host``:
+    a ledger that receives the rank's host allocations (estimator/places.py); ``cpu_run``: the allocations of
+    a DS_ACCELERATOR=cpu run instead, host and device in one ledger (the CPU trace comparison)."""
     skipped = frozenset(skipped)
     t = job.training
     L = Ledger()
     L.mark("init")
     trainable = _trainable(job)
-    engine = _engine(L, job, trainable)
+    places = Places(L, host, cpu_run)
+    engine = _engine(L, job, trainable, places)
     if isinstance(engine, Zero3):
         from ..params import parameter_tensors
 
@@ -122,6 +128,8 @@ def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
             if hooks is not None:
                 hooks.start_forward()
             out = forward(Net(ag, job.model, s, params, hooks, layer_fn))
+            if hooks is not None:
+                out = hooks.end_forward(ag, out)
             if kept is not None:
                 ag.release(kept)  # the name is rebound: the previous output object dies
                 kept = None
