@@ -32,8 +32,7 @@ def ledger_supported(job: Job) -> bool:
     from .families import FORWARD
 
     t, z, lay, m = job.training, job.training.zero, job.layout, job.model
-    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1 and z.offload_param == "none"
-            and (z.offload_optimizer == "none" or z.stage in (1, 2))
+    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
             and t.dtype in ("bf16", "fp16") and sdpa_backend(m, 2, t.attention) == "flash" and t.attention != "eager"
