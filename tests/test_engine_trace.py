@@ -47,6 +47,8 @@ CASES = {
     "z3-offload-all-knobs-w4": {"optimizer": "cpu_adam", "world": 4, "grad_accum": 2,
                                 "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", **KNOBS}},
     "z3-knobs-w4": {"optimizer": "sgd", "world": 4, "grad_accum": 2, "zero": {"stage": 3, **KNOBS}},
+    "z1-bf16-optimizer-ga2": {"optimizer": "sgd", "grad_accum_dtype": "fp32", "grad_accum": 2, "zero": {"stage": 1}},
+    "z2-sgd": {"optimizer": "sgd", "zero": {"stage": 2}},
 }
 
 #: estimator/autograd.py recomputes a checkpointed region at its first node with a gradient; torch recomputes at

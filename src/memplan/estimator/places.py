@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from ..ledger import Ledger
 
-#: ledger component of host tensors
+#: ledger component of host tensors; a pinned one's component carries the PINNED prefix
 HOST = "host"
+PINNED = "pinned "
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -36,7 +37,6 @@ class Places:
         self.dev = dev
         self.cpu_run = cpu_run
         self.host = dev if cpu_run else (host if host is not None else Ledger())
-        self.pinned: set[int] = set()  # host ledger ids of pinned tensors
 
     def host_alloc(self, name: str, nbytes: int, component: str = HOST) -> int:
         """A pageable host tensor (torch.empty / zeros / .to("cpu") / clone on the host)."""
@@ -48,8 +48,7 @@ class Places:
         if self.cpu_run or not pin_memory:
             return tid
         h = self.host
-        new = h.alloc(h.names[tid], h.sizes[tid], h.components[tid])
-        self.pinned.add(new)
+        new = h.alloc(h.names[tid], h.sizes[tid], PINNED + h.components[tid])
         h.free(tid)
         return new
 
@@ -72,18 +71,15 @@ class Places:
             self.host.free(tid)
 
 
-def host_peak_bytes(places: Places) -> int:
-    """Peak host bytes of the host ledger: pageable tensors while alive, pinned ones at their power-of-two block,
-    kept by the host cache once freed until a request of the same block size takes them again."""
-    h = places.host
-    if places.cpu_run:
-        raise ValueError("a CPU run has no separate host memory")
+def host_peak_bytes(host: Ledger) -> int:
+    """Peak bytes of a host ledger: pageable tensors while alive, pinned ones (component prefixed PINNED) at their
+    power-of-two block, kept by the host cache once freed until a request of the same block size takes them."""
     live = cached = peak = 0
     free_blocks: dict[int, int] = {}  # block bytes → cached free blocks of that size
-    for ev in h.events:
+    for ev in host.events:
         tid = ev if ev >= 0 else ~ev
-        pinned = tid in places.pinned
-        size = pinned_block_bytes(h.sizes[tid]) if pinned else h.sizes[tid]
+        pinned = host.components[tid].startswith(PINNED)
+        size = pinned_block_bytes(host.sizes[tid]) if pinned else host.sizes[tid]
         if ev >= 0:
             if pinned and free_blocks.get(size):
                 free_blocks[size] -= 1

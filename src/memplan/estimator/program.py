@@ -21,6 +21,7 @@ from ..ledger import Ledger
 from ..specs import Job
 from ..units import MiB, dtype_bytes
 from .autograd import Autograd
+from .bf16opt import BF16Optimizer
 from .families import forward
 from .optim import Optimizer
 from .places import Places
@@ -56,6 +57,14 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
     return ids
 
 
+def bf16_optimizer(job: Job) -> bool:
+    """engine.py _do_optimizer_sanity_check picks BF16_Optimizer: bf16, ZeRO stage 1, fp32 gradient accumulation,
+    no optimizer offload (pipeline parallelism at stage 0 too, outside the ledger)."""
+    t, z = job.training, job.training.zero
+    return (t.dtype == "bf16" and z.stage == 1 and t.grad_accum_dtype == "fp32"
+            and z.offload_optimizer == "none")
+
+
 def _engine(L: Ledger, job: Job, trainable, places: Places):
     from ..params import parameter_tensors
 
@@ -66,6 +75,8 @@ def _engine(L: Ledger, job: Job, trainable, places: Places):
     opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
+    if bf16_optimizer(job):
+        return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype), b, lay.zero_group, opt)
     if z.stage in (1, 2):
         group = FlatGroup(names, numels, lay.zero_group, 0)
         comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
@@ -148,7 +159,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
             elif boundary:
                 first = not stepped_yet
                 stepped_yet = True
-                if isinstance(engine, Zero0):
+                if isinstance(engine, (Zero0, BF16Optimizer)):
                     engine.step(ag, first)
                 else:
                     engine.step(first)
