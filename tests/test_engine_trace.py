@@ -63,18 +63,37 @@ def tiny_job(optimizer: str, zero: dict, world: int = 2, **training) -> Job:
                                                  **training), layout=Layout(world=world))
 
 
-def real_trace(job: Job, tmp_path: Path) -> list[list]:
-    job_file, out = tmp_path / "job.json", tmp_path / "trace.json"
+#: a recompute under ZeRO-3 gathers every module's weight again, and the checkpoint keeps each gathered storage
+#: (x.detach() of the saved weight) until its node has run in backward
+CHECKPOINTED = {"optimizer": "cpu_adam", "checkpointing": "full", "zero": {"stage": 3, "offload_optimizer": "cpu"}}
+
+
+def _run(job: Job, folder: Path) -> tuple[int, str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    job_file, out = folder / "job.json", folder / "trace.json"
     job_file.write_text(job.model_dump_json())
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, str(TOOL), str(job_file), str(out), str(STEPS)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())["events"]
+    return done.returncode, done.stderr[-3000:], out
 
 
-def assert_engine_matches(job: Job, tmp_path: Path) -> None:
-    real = engine_check.real_events(real_trace(job, tmp_path))
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """Every case's CPU trace, recorded by concurrent tool processes (most of each is import time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = {**CASES, "z3-checkpointing": CHECKPOINTED}
+    root = tmp_path_factory.mktemp("traces")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, tiny_job(**kw), root / name) for name, kw in cases.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def assert_engine_matches(job: Job, trace) -> None:
+    rc, err, out = trace
+    assert rc == 0, err
+    real = engine_check.real_events(json.loads(out.read_text())["events"])
     predicted = engine_check.predicted_events(job, STEPS)
     at = engine_check.first_mismatch(real, predicted)
     assert at is None, (f"event {at} of {len(real)} real / {len(predicted)} predicted:\n"
@@ -83,17 +102,14 @@ def assert_engine_matches(job: Job, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_engine_events_match_cpu_trace(case, tmp_path):
-    assert_engine_matches(tiny_job(**CASES[case]), tmp_path)
+def test_engine_events_match_cpu_trace(case, traces):
+    assert_engine_matches(tiny_job(**CASES[case]), traces[case])
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=RECOMPUTE_ORDER)
-def test_zero3_checkpointing_matches_cpu_trace(tmp_path):
-    """A recompute under ZeRO-3 gathers every module's weight again, and the checkpoint keeps each gathered
-    storage (x.detach() of the saved weight) until its node has run in backward."""
-    job = tiny_job("cpu_adam", {"stage": 3, "offload_optimizer": "cpu"}, checkpointing="full")
-    assert_engine_matches(job, tmp_path)
+def test_zero3_checkpointing_matches_cpu_trace(traces):
+    assert_engine_matches(tiny_job(**CHECKPOINTED), traces["z3-checkpointing"])
 
 
 def test_projection_keeps_engine_tensors_and_their_frees():

@@ -135,11 +135,15 @@ def events(trace: list[dict]) -> list[list]:
     marks = sorted((e["ts"], e["name"][5:]) for e in trace if e.get("name", "").startswith("MARK."))
     mem = sorted((e for e in trace if e.get("name") == "[memory]"), key=lambda e: e["ts"])
     prefixes = tuple(f"{p}." for p in ANNOTATED)
-    out = []
+    out, active, nxt = [], [], 0  # a sweep over time: the ops that enclose the current event
     for e in mem:
         ts, nbytes = e["ts"], int(e["args"]["Bytes"])
-        inner = [(k, o) for k, o in enumerate(ops) if o[0] <= ts <= o[1]]
-        frames = "/".join(o[2] for _, o in sorted(inner, key=lambda ko: ko[1][0]) if o[2].startswith(prefixes))
+        while nxt < len(ops) and ops[nxt][0] <= ts:
+            active.append(nxt)
+            nxt += 1
+        active = [k for k in active if ops[k][1] >= ts]
+        inner = [(k, ops[k]) for k in active]
+        frames = "/".join(o[2] for _, o in inner if o[2].startswith(prefixes))
         op = min(inner, key=lambda ko: ko[1][1] - ko[1][0])[1][2] if inner else "?"
         phase = next((label for at, label in reversed(marks) if at <= ts), "init")
         kernels = [k for k, o in inner if any(d in o[2] for d in DEVICE_KERNELS)]
