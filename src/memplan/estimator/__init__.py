@@ -31,14 +31,24 @@ def ledger_supported(job: Job) -> bool:
     from .activations import sdpa_backend
     from .families import FORWARD
 
-    t, z, lay, m = job.training, job.training.zero, job.layout, job.model
-    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1 and z.offload_param == "none"
-            and (z.offload_optimizer == "none" or z.stage in (1, 2))
+    t, lay, m = job.training, job.layout, job.model
+    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
             and t.dtype in ("bf16", "fp16") and sdpa_backend(m, 2, t.attention) == "flash" and t.attention != "eager"
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
-            and not (z.stage == 1 and t.grad_accum_dtype == "fp32") and t.model_impl == "transformers")
+            and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers")
+
+
+def _unmodelled_fp32_accumulation(job: Job) -> bool:
+    """fp32 gradient accumulation the ledger does not model yet: ZeRO-1 other than BF16_Optimizer (fp16, or
+    offloaded: DeepSpeedZeroOptimizer's grad_accum attribute) and ZeRO-2 offloaded (its fp32 compact partition
+    buffer); BF16_Optimizer (bf16, ZeRO-1, no offload) and ZeRO-2 on the GPU are modelled."""
+    t, z = job.training, job.training.zero
+    if t.grad_accum_dtype != "fp32" or t.dtype == "fp32":
+        return False
+    offload = z.offload_optimizer != "none"
+    return (z.stage == 1 and (t.dtype != "bf16" or offload)) or (z.stage == 2 and offload)
 
 
 def ledger_steps(skipped=()) -> int:

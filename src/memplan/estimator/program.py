@@ -21,8 +21,10 @@ from ..ledger import Ledger
 from ..specs import Job
 from ..units import MiB, dtype_bytes
 from .autograd import Autograd
+from .bf16opt import BF16Optimizer
 from .families import forward
 from .optim import Optimizer
+from .places import Places
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
 from .zero3 import Zero3
@@ -55,16 +57,26 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
     return ids
 
 
-def _engine(L: Ledger, job: Job, trainable):
+def bf16_optimizer(job: Job) -> bool:
+    """engine.py _do_optimizer_sanity_check picks BF16_Optimizer: bf16, ZeRO stage 1, fp32 gradient accumulation,
+    no optimizer offload (pipeline parallelism at stage 0 too, outside the ledger)."""
+    t, z = job.training, job.training.zero
+    return (t.dtype == "bf16" and z.stage == 1 and t.grad_accum_dtype == "fp32"
+            and z.offload_optimizer == "none")
+
+
+def _engine(L: Ledger, job: Job, trainable, places: Places):
     from ..params import parameter_tensors
 
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
     names = [p.name for p in parameter_tensors(job.model) if trainable(p.name)]
     numels = [p.numel for p in parameter_tensors(job.model) if trainable(p.name)]
-    opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none")
+    opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
+    if bf16_optimizer(job):
+        return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype), b, lay.zero_group, opt)
     if z.stage in (1, 2):
         group = FlatGroup(names, numels, lay.zero_group, 0)
         comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
@@ -74,7 +86,8 @@ def _engine(L: Ledger, job: Job, trainable):
     comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
     all_names = [p.name for p in parameter_tensors(job.model)]
     all_numels = [p.numel for p in parameter_tensors(job.model)]
-    return Zero3(L, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm)
+    return Zero3(places, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm, t.grad_accum,
+                 t.dtype == "fp16")
 
 
 def shape(job: Job) -> Shape:
@@ -82,15 +95,19 @@ def shape(job: Job) -> Shape:
     return Shape(t.micro_batch, t.seq_len // lay.sp, t.seq_len, dtype_bytes(t.dtype), positions_given=lay.sp > 1)
 
 
-def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
+def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = None, cpu_run: bool = False
+                 ) -> Ledger:
     """The job's allocation ledger on rank 0 (see the module docstring). ``skipped``: the optimizer steps
-    (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds)."""
+    (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds). ``host``:
+    a ledger that receives the rank's host allocations (estimator/places.py); ``cpu_run``: the allocations of
+    a DS_ACCELERATOR=cpu run instead, host and device in one ledger (the CPU trace comparison)."""
     skipped = frozenset(skipped)
     t = job.training
     L = Ledger()
     L.mark("init")
     trainable = _trainable(job)
-    engine = _engine(L, job, trainable)
+    places = Places(L, host, cpu_run)
+    engine = _engine(L, job, trainable, places)
     if isinstance(engine, Zero3):
         from ..params import parameter_tensors
 
@@ -122,6 +139,8 @@ def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
             if hooks is not None:
                 hooks.start_forward()
             out = forward(Net(ag, job.model, s, params, hooks, layer_fn))
+            if hooks is not None:
+                out = hooks.end_forward(ag, out)
             if kept is not None:
                 ag.release(kept)  # the name is rebound: the previous output object dies
                 kept = None
@@ -140,7 +159,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
             elif boundary:
                 first = not stepped_yet
                 stepped_yet = True
-                if isinstance(engine, Zero0):
+                if isinstance(engine, (Zero0, BF16Optimizer)):
                     engine.step(ag, first)
                 else:
                     engine.step(first)
