@@ -1,8 +1,9 @@
 """The training loop around the engine, as ledger events: what the Python code of each loop allocates on the GPU
 and keeps alive between the forward, ``engine.backward`` and ``engine.step`` (TrainingSpec.loop).
 
-``outputs`` and ``loss`` are memplan.verify's DeepSpeed loop (verify/worker.py ``train``): per micro-step
-``ids = torch.randint(..., device=device)`` (input_ids = labels) before the forward, ``del ids`` after the step;
+``outputs`` and ``loss`` are memplan.verify's DeepSpeed loop (verify/worker.py ``train``): the positions
+(``torch.arange(shard)`` on the device, kept for the run), then per micro-step ``ids = torch.randint(...,
+device=device)`` (input_ids = labels) before the forward and ``del ids`` after the step;
 ``outputs`` keeps the model output object (its loss and logits) until the next forward returns and rebinds the
 name (the old object's fields die in order: loss, then logits); ``loss`` keeps only ``.loss``, the output object
 dying as the forward returns, until ``del loss`` after ``engine.backward``.
@@ -82,8 +83,8 @@ class DeepSpeedLoop(Loop):
     def run(self, steps: int, forward: Callable, engine, step: Callable[[int, bool], None]) -> None:
         L, ag = self.L, self.ag
         keep_outputs = self.job.training.loop == "outputs"
-        if self.job.layout.sp > 1:  # position_ids: arange(shard) on the device, expanded (a view) to the batch
-            ag.empty("loop.position_ids", INT64 * self.seq, component=INPUTS)
+        # ``positions = torch.arange(shard, device=device)…expand(B, -1)``, made whatever sp (passed when sp > 1)
+        ag.empty("loop.position_ids", INT64 * self.seq, component=INPUTS)
         kept = None  # the previous micro-step's output object (outputs loop)
         for s in range(steps):
             for m in range(self.ga):
