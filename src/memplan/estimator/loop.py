@@ -45,8 +45,9 @@ INPUTS, SCALARS = "inputs", "loop_scalars"
 
 
 class Loop:
-    """The steps of one job: ``run`` calls ``forward()`` (the model's, returning its Output), the engine's
-    ``end_backward(ag, boundary)``, and ``step(index, boundary)`` (the optimizer step or skip)."""
+    """What both loops share. A loop's ``run(steps, forward, engine, step)`` calls ``forward()`` (the model's,
+    returning its Output), the engine's ``end_backward(ag, boundary)`` and ``step(index, boundary)`` (the
+    optimizer step, or the fp16 skip)."""
 
     def __init__(self, L: Ledger, ag: Autograd, job: Job):
         t, lay = job.training, job.layout
@@ -72,9 +73,6 @@ class Loop:
         engine.end_backward(ag, boundary)
         for t in reversed(made):
             ag.release(t)
-
-    def run(self, steps: int, forward: Callable, engine, step: Callable[[int, bool], None]) -> None:
-        raise NotImplementedError
 
 
 class DeepSpeedLoop(Loop):
