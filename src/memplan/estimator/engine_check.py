@@ -15,6 +15,7 @@ reset_step checks across ranks and the rotary tables' build temporaries. Pure (n
 from __future__ import annotations
 
 from ..specs import Job
+from .loop import INPUTS, SCALARS
 
 #: one caching-allocator block; smaller tensors are bookkeeping on both sides (see the module docstring)
 MIN_BYTES = 512
@@ -24,8 +25,9 @@ ENGINE_FRAMES = ("z3.", "coord.", "init.", "z12.", "bf16opt.", "fp16opt.", "cpua
                  "engine.step", "engine.allreduce", "engine._take_model_step")
 #: coordinator bookkeeping: reset_step's assert_ints_same_as_other_ranks lists (8 bytes per module or parameter)
 BOOKKEEPING_FRAME, BOOKKEEPING_BYTES = "coord.reset_step", 16384
-#: ledger components of the model's own tensors
-MODEL_COMPONENTS = frozenset({"activations", "logits_loss", "cuda_workspaces"})
+#: ledger components of the model's own tensors and of the training loop's (estimator/loop.py INPUTS, SCALARS:
+#: made by the script or inside engine.forward / engine.backward, not by an ENGINE_FRAMES method)
+MODEL_COMPONENTS = frozenset({"activations", "logits_loss", "cuda_workspaces", INPUTS, SCALARS})
 
 
 def predicted_events(job: Job, steps: int = 2) -> list[tuple[int, str]]:

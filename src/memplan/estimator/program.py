@@ -6,13 +6,15 @@ stage's engine model: zero0.py, zero12.py, zero3.py), then ``steps`` optimizer s
 micro-steps, each a forward (families/), ``engine.backward`` and ``engine.step``. Phase marks carry verify's
 names ("init", "step1.micro0.forward", …), so measured and predicted phases line up.
 
-The loop (TrainingSpec.loop) decides what the Python code keeps: ``outputs`` keeps the model output object —
-its logits — from one forward until the next forward returns and rebinds the name; ``loss`` and ``hf-trainer``
-(Trainer.training_step / compute_loss return the loss only) keep the loss until backward.
+The loop (TrainingSpec.loop: memplan.verify's DeepSpeed loop keeping ``outputs`` or the ``loss``, or
+transformers' Trainer) is estimator/loop.py: its inputs, scalars, what its Python code keeps, and which phases
+it has.
 
-cuBLAS: the first matmul on a stream creates its handle's workspaces from torch's caching allocator
-(aten/src/ATen/cuda/CublasHandlePool.cpp getCurrentCUDABlasHandle / getCUDABlasLtWorkspace: 32 MiB each on
-Hopper), kept for the process's life.
+cuBLAS: a thread's first matmul creates its handle's workspace from torch's caching allocator
+(aten/src/ATen/cuda/CublasHandlePool.cpp getCurrentCUDABlasHandle: handles are per thread; 32 MiB on Hopper),
+kept for the process's life: one at the first forward matmul, one at the first backward matmul (the autograd
+engine's device thread; modelled at the first parameter gradient, which that matmul produces). The measured rows
+show it: 32 MiB more before the first layer's forward than the model allocates, 32 MiB more by step 0's end.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..specs import Job
 from ..units import MiB, dtype_bytes
 from .autograd import Autograd
 from .bf16opt import BF16Optimizer
-from .families import forward
+from .families import forward as forward_of
 from .optim import Optimizer
 from .places import Places
 from .transformer import Net, Params, Shape
@@ -30,8 +32,8 @@ from .zero0 import Zero0
 from .zero3 import Zero3
 from .zero12 import FlatGroup, Zero12
 
-#: cuBLAS and cuBLASLt workspaces (CublasHandlePool.cpp: 32 MiB each on sm90), at the first matmul
-CUBLAS_WORKSPACE_BYTES = (32 * MiB, 32 * MiB)
+#: a cuBLAS handle's workspace (CublasHandlePool.cpp getChosenWorkspaceSize: 32 MiB on sm90)
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 
 def _trainable(job: Job):
@@ -101,6 +103,8 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds). ``host``:
     a ledger that receives the rank's host allocations (estimator/places.py); ``cpu_run``: the allocations of
     a DS_ACCELERATOR=cpu run instead, host and device in one ledger (the CPU trace comparison)."""
+    from .loop import TrainerLoop, make_loop
+
     skipped = frozenset(skipped)
     t = job.training
     L = Ledger()
@@ -115,15 +119,25 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
         ids = {}
     else:
         ids = build_model(L, job)
-    engine.initialize(ids)
     hooks = engine if isinstance(engine, Zero3) else None
-    ag = Autograd(L, on_param_grad=lambda param, grad: engine.on_param_grad(ag, param, grad))
     workspaces = []
 
-    def first_matmul():
-        workspaces.extend(L.alloc("cublas.workspace", n, "cuda_workspaces") for n in CUBLAS_WORKSPACE_BYTES)
+    def workspace():
+        workspaces.append(L.alloc("cublas.workspace", CUBLAS_WORKSPACE_BYTES, "cuda_workspaces"))
 
-    ag.before_matmul = first_matmul
+    def on_param_grad(param, grad):
+        if len(workspaces) == 1:  # the first grad comes from the first backward matmul, on the engine's thread
+            workspace()
+        engine.on_param_grad(ag, param, grad)
+
+    ag = Autograd(L, on_param_grad=on_param_grad)
+    loop = make_loop(L, ag, job)
+    if isinstance(loop, TrainerLoop):
+        loop.before_initialize()
+    engine.initialize(ids)
+    if isinstance(loop, TrainerLoop):
+        loop.after_initialize()
+    ag.before_matmul = workspace
     params = Params(ag, job.model, dtype_bytes(t.dtype), trainable)
     s = shape(job)
     layer_fn = None
@@ -131,36 +145,27 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
         from .checkpoint import nonreentrant
 
         layer_fn = nonreentrant(ag)
-    kept = None  # the loop's ``outputs``: logits of the last forward
-    stepped_yet = False
-    for step in range(steps):
-        for micro in range(t.grad_accum):
-            L.mark(f"step{step}.micro{micro}.forward")
-            if hooks is not None:
-                hooks.start_forward()
-            out = forward(Net(ag, job.model, s, params, hooks, layer_fn))
-            if hooks is not None:
-                out = hooks.end_forward(ag, out)
-            if kept is not None:
-                ag.release(kept)  # the name is rebound: the previous output object dies
-                kept = None
-            if t.loop == "outputs":
-                kept = out.logits
-            else:
-                ag.release(out.logits)
-            L.mark(f"step{step}.micro{micro}.backward")
-            boundary = micro == t.grad_accum - 1
-            ag.backward(out.loss, 4)
-            ag.release(out.loss)
-            engine.end_backward(ag, boundary)
-            L.mark(f"step{step}.micro{micro}.step")
-            if boundary and step in skipped:
-                engine.skip(ag)
-            elif boundary:
-                first = not stepped_yet
-                stepped_yet = True
-                if isinstance(engine, (Zero0, BF16Optimizer)):
-                    engine.step(ag, first)
-                else:
-                    engine.step(first)
+
+    def forward():
+        if hooks is not None:
+            hooks.start_forward()
+        out = forward_of(Net(ag, job.model, s, params, hooks, layer_fn))
+        return out if hooks is None else hooks.end_forward(ag, out)
+
+    stepped = []
+
+    def step(index: int, boundary: bool) -> None:
+        if not boundary:
+            return
+        if index in skipped:
+            engine.skip(ag)
+            return
+        first = not stepped
+        stepped.append(index)
+        if isinstance(engine, (Zero0, BF16Optimizer)):
+            engine.step(ag, first)
+        else:
+            engine.step(first)
+
+    loop.run(steps, forward, engine, step)
     return L
