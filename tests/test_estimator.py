@@ -10,6 +10,7 @@ from memplan.estimator import estimate_job, quick_peak
 from memplan.estimator.activations import layer_bytes_per_token
 from memplan.estimator.layout import rank_share
 from memplan.estimator.phases import model_states
+from memplan.estimator.summary import UNSPLIT_PART
 from memplan.hfconfig import model_from_config
 from memplan.presets import load_model
 from memplan.specs import Job, Layout, TrainingSpec, ZeroSpec
@@ -111,9 +112,15 @@ def test_parts_sum_to_the_peak(args):
 def test_more_data_parallel_ranks_never_cost_memory(args):
     preset, stage, world, *rest = args
     small, big = _job(preset, stage, world, *rest), _job(preset, stage, world * 2, *rest)
-    # up to the flat buffer's alignment padding, which grows with N (2N elements, stage_1_and_2.py)
+    # up to the flat buffer's alignment padding, which grows with N (2N elements, stage_1_and_2.py). The tensors
+    # live at the peak, not torch's counter: which cached block an allocation reuses whole depends on the
+    # allocator's history (estimator.summary.UNSPLIT_PART), which N changes without changing what is live
     padding = 4 * 2 * (2 * world)
-    assert quick_peak(big).peak_allocated_bytes <= quick_peak(small).peak_allocated_bytes + padding
+
+    def live_bytes(job):
+        return sum(p.bytes for p in estimate_job(job).components if p.name != UNSPLIT_PART)
+
+    assert live_bytes(big) <= live_bytes(small) + padding
 
 
 @settings(max_examples=60, deadline=None)
