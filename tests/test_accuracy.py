@@ -14,6 +14,8 @@ import pytest
 
 from memplan.accuracy import (
     HAND_WRITTEN,
+    LEDGER,
+    PHASES,
     Comparison,
     by_group,
     compare_rows,
@@ -31,7 +33,6 @@ ROWS = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy"
 #: max_memory_reserved() (never more than 3 % under: a false "fits")
 ALLOC_MEDIAN, ALLOC_WORST = 0.01, 0.03
 RESERVED_MEDIAN, RESERVED_WORST, RESERVED_UNDER = 0.05, 0.10, 0.03
-MIN_POINTS = {"tuned": 40, "check": 20}
 
 
 @pytest.fixture(scope="module")
@@ -39,26 +40,58 @@ def comparisons():
     return compare_rows(iter_rows(ROWS))
 
 
-@pytest.mark.parametrize("part", ["tuned", "check"])
-def test_measured_matrix_within_bars(part, comparisons, capsys):
-    """"tuned": the hand-written matrices and the sampled fit split (what the model may be studied on);
-    "check": the sampled split it never was."""
-    points = [c for c in comparisons if (c.split == "check") == (part == "check")]
-    with capsys.disabled():
-        print("\n" + "\n".join(table_lines(points)))
-    assert len(points) >= MIN_POINTS[part], f"only {len(points)} measured points"
+#: the parts the bars are held on: the rows the model may be studied on (hand-written matrices and the sampled
+#: fit split), by the model that predicts them, and the sampled check split it never was
+PARTS = {
+    "tuned-ledger": lambda c: c.split != "check" and c.model == LEDGER,
+    "tuned-phases": lambda c: c.split != "check" and c.model == PHASES,
+    "check": lambda c: c.split == "check",
+}
+MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 20, "check": 20}
+#: (part, bar) → why the bar does not hold on what is committed. Strict: a bar that starts to hold fails here
+#: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
+
+
+def _bar_values(points):
     median, worst = summary(points)
-    assert median <= ALLOC_MEDIAN, f"peak allocated: median |error| {median:.2%} > {ALLOC_MEDIAN:.0%}"
-    assert worst <= ALLOC_WORST, f"peak allocated: worst |error| {worst:.2%} > {ALLOC_WORST:.0%}"
     n, rmedian, rworst, under = reserved_summary(points)
-    assert n == len(points)
-    assert rmedian <= RESERVED_MEDIAN, f"peak reserved: median |error| {rmedian:.2%}"
-    assert rworst <= RESERVED_WORST, f"peak reserved: worst |error| {rworst:.2%}"
-    assert under <= RESERVED_UNDER, f"peak reserved: {under:.2%} under the measured value"
-    for key in ("split", "loop"):  # every point is reported under exactly one split and one loop
-        assert sum(n for n, _, _ in by_group(points, key).values()) == len(points)
+    assert n == len(points), "every measured point records its reserved peak"
+    return {"allocated median": (median, ALLOC_MEDIAN), "allocated worst": (worst, ALLOC_WORST),
+            "reserved median": (rmedian, RESERVED_MEDIAN), "reserved worst": (rworst, RESERVED_WORST),
+            "reserved under": (under, RESERVED_UNDER)}
 
 
+BARS = ("allocated median", "allocated worst", "reserved median", "reserved worst", "reserved under")
+
+
+def _cases():
+    for part in PARTS:
+        for bar in BARS:
+            gap = KNOWN_GAPS.get((part, bar))
+            marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+            yield pytest.param(part, bar, marks=marks, id=f"{part}-{bar.replace(' ', '-')}")
+
+
+@pytest.mark.parametrize(("part", "bar"), list(_cases()))
+def test_measured_matrix_within_bars(part, bar, comparisons):
+    """The brief's bars, one at a time, on each part (see PARTS and KNOWN_GAPS)."""
+    points = [c for c in comparisons if PARTS[part](c)]
+    assert len(points) >= MIN_POINTS[part], f"only {len(points)} measured points"
+    value, limit = _bar_values(points)[bar]
+    assert value <= limit, f"{part}: {bar} |error| {value:.2%} > {limit:.0%}"
+
+
+def test_the_parts_cover_every_point_once(comparisons, capsys):
+    with capsys.disabled():  # the table of the studied rows (the check split's stays out of the log)
+        print("\n" + "\n".join(table_lines([c for c in comparisons if c.split != "check"])))
+    assert all(sum(1 for f in PARTS.values() if f(c)) == 1 for c in comparisons)
+    for key in ("split", "loop", "model"):  # every point is reported under exactly one split, loop and model
+        assert sum(n for n, _, _ in by_group(comparisons, key).values()) == len(comparisons)
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_GAPS.get(("check", "false fits"), "no gap"),
+                   condition=("check", "false fits") in KNOWN_GAPS)
 def test_no_measured_oom_is_called_a_fit():
     assert false_fits(iter_rows(ROWS)) == []
 
