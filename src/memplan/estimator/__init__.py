@@ -136,6 +136,10 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     """What in this job's figure rests on no measurement in benchmarks/accuracy/ (said in the output)."""
     t, z, lay = job.training, job.training.zero, job.layout
     notes = []
+    if not ledger_supported(job):
+        notes.append("this job is outside the allocation ledger (phase model): the caching allocator is not "
+                     "simulated, so reserved memory is likely under what torch will reserve; a fit near the card's "
+                     "size is unproven (benchmarks/accuracy: python -m memplan.accuracy)")
     if t.model_impl == "megatron":  # Megatron's GPT: its own notes (memplan.megatron.notes)
         from ..megatron import measurement_notes as megatron_notes
 
