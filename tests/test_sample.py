@@ -105,6 +105,7 @@ def test_same_seed_same_file_and_no_leftovers(tmp_path, drawn):
     assert sorted(str(p.relative_to(folder)) for p in (sampled / "configs").iterdir()) == \
         _named_files(lines, "configs")  # no file of a rejected draw
     assert not (sampled / ".stand-in").exists()
+    assert not Path(sample.PARSE_ONLY_OUT).exists()  # parse-only: verify's --out is never created
     (tmp_path / "other").mkdir()
     other = _draw(tmp_path / "other", "--seed", "3", "--count", "20")
     assert [x["args"] for x in other] != [x["args"] for x in lines[:20]]
