@@ -39,7 +39,7 @@ LAYOUT_FIELDS = ("world", "gpus_per_node", "tp", "pp", "sp", "tp_sequence_parall
 _SUBJECTS = (
     ("gpus (", "world"), ("seq (", "seq_len"), ("offload_param needs", "offload_param"),
     ("offload_optimizer needs", "offload_optimizer"), ("ZeRO stage", "stage"), ("Ulysses sp", "sp"),
-    ("num_layers", "pp"), ("tp_sequence_parallel", "tp_sequence_parallel"), ("attention flash", "attention"),
+    ("num_layers", "pp"), ("tp_sequence_parallel", "tp_sequence_parallel"), ("attention flash", "attention"), ("attention eager", "attention"),
 )
 
 

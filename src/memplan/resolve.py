@@ -358,6 +358,8 @@ def resolved_fields(req: JobRequest, model=None, gpu=None, trainer=None, variant
         _variant(f, variant)
     if f.values.get("model_impl") == "megatron" and req.launch is not None:
         _megatron_batch(f, global_batch, req.launch.source)
+    elif f.values.get("model_impl") == "megatron" and "megatron" not in f.values:
+        _megatron_default(f, model)
     elif settings is not None and not (trainer is None and hf_path(req) and _auto_batch(settings)):
         _ds_batch(f, settings)  # (on the HF path, "auto" batch sizes come from TrainingArguments)
     _optimizer(f)
@@ -365,6 +367,16 @@ def resolved_fields(req: JobRequest, model=None, gpu=None, trainer=None, variant
     if req.alloc_conf is not None:
         f.merge({"allocator": parse_alloc_conf(req.alloc_conf, "--alloc-conf")}, "flag", "--alloc-conf")
     return f.values, f.source, f.origin
+
+
+def _megatron_default(f: _Fields, model) -> None:
+    """Megatron's GPT without a launch line: the line `memplan plan --emit` writes (memplan.check.megatron_model), i.e.
+    --no-pipeline-parallel at pp 1 (DeepSpeed's PipelineEngine refuses ZeRO-2/3 and a grid without the sp ranks)
+    and the model's own dropout."""
+    from .check.megatron_model import megatron_spec
+
+    f.merge({"megatron": megatron_spec(model, f.values.get("pp", 1))}, "memplan",
+            "the launch plan --emit writes: --no-pipeline-parallel at pp 1, the model's dropout")
 
 
 def _variant(f: _Fields, variant: dict) -> None:
@@ -379,6 +391,25 @@ def _auto_batch(settings) -> bool:
     from .dsconfig import HF_BATCH_KEYS
 
     return any(k in settings.auto_keys for k in HF_BATCH_KEYS)
+
+
+#: the job facts a plan fixes (the rest it searches)
+FACTS = ("seq_len", "world", "gpus_per_node", "dtype", "model_impl")
+
+
+def resolve_facts(req: JobRequest, gpu=None) -> tuple[Any, dict[str, Any], tuple[Source, ...]]:
+    """(model, {fact: value}, sources) for `memplan plan`: model, seq, world, GPUs per node, dtype and model
+    implementation with resolve_job's defaults (the article's for its model, neutral otherwise) and flags."""
+    from .sources import fact_sources
+
+    model = _load_model(req.model or ARTICLE_MODEL)
+    f = _Fields()
+    _defaults(f, req, model, gpu, files=False)
+    f.merge({k: v for k, v in _explicit(req).items() if k in FACTS}, "flag")
+    facts = {k: f.values.get(k) for k in FACTS}
+    facts["dtype"] = facts["dtype"] or "bf16"
+    facts["model_impl"] = facts["model_impl"] or "transformers"
+    return model, facts, fact_sources(model, req, facts, f.source, f.origin)
 
 
 def resolve_job(req: JobRequest, num_training_steps: int | None = None) -> ResolvedJob:
@@ -398,5 +429,6 @@ def resolve_job(req: JobRequest, num_training_steps: int | None = None) -> Resol
     return ResolvedJob(job=job, sources=sources, gpu=gpu, trainer=trainer)
 
 
-__all__ = ["ARTICLE_FIELDS", "ARTICLE_GPU", "ARTICLE_MODEL", "ARTICLE_SEQ", "JobRequest", "ResolvedJob", "Source",
-           "default_gpu", "hf_path", "is_article", "model_from_arg", "resolve_job", "resolved_fields"]
+__all__ = ["ARTICLE_FIELDS", "ARTICLE_GPU", "ARTICLE_MODEL", "ARTICLE_SEQ", "FACTS", "JobRequest", "ResolvedJob",
+           "Source", "default_gpu", "hf_path", "is_article", "model_from_arg", "resolve_facts", "resolve_job",
+           "resolved_fields"]

@@ -67,6 +67,18 @@ def job_sources(job, req: JobRequest, source: dict[str, str], origin: dict[str, 
     return tuple(out)
 
 
+def fact_sources(model, req: JobRequest, facts: dict[str, Any], source: dict[str, str],
+                 origin: dict[str, str]) -> tuple[Source, ...]:
+    """Sources of the job facts a plan fixes (memplan.resolve.resolve_facts)."""
+    out = [Source(field="model", value=model.name, source="flag" if req.model else "article",
+                  origin="--model" if req.model else ARTICLE)]
+    for key, value in facts.items():
+        field = f"layout.{key}" if key in _LAYOUT else f"training.{key}"
+        kind, why = _kind_origin(field, source.get(key), origin.get(key, ""))
+        out.append(Source(field=field, value=value, source=kind, origin=why))
+    return tuple(out)
+
+
 def sources_json(sources) -> list[dict[str, Any]]:
     """The ``"sources"`` list of every command's --json."""
     return [s.model_dump(mode="json") for s in sources]
@@ -105,4 +117,4 @@ def source_lines(sources, kinds: tuple[str, ...] = ("article", "deepspeed", "mem
     return lines
 
 
-__all__ = ["job_sources", "source_lines", "sources_json"]
+__all__ = ["fact_sources", "job_sources", "source_lines", "sources_json"]

@@ -261,6 +261,11 @@ class Job(_Frozen):
                     f"num_key_value_heads ({kv}) must be at least sp ({lay.sp}) (DeepSpeed's DistributedAttention, "
                     "sequence/layer.py _resolve_kv_heads asserts it)"
                 )
+            if t.model_impl != "megatron" and t.attention == "eager":
+                raise ValueError(
+                    f"attention eager with Ulysses sp ({lay.sp}): DeepSpeed's UlyssesSPAttentionHF."
+                    "register_with_transformers refuses attn_implementation eager; allowed: sdpa or flash"
+                )
             if t.model_impl != "megatron" and kv % lay.sp and lay.sp % kv:
                 raise ValueError(
                     f"num_key_value_heads ({kv}) and sp ({lay.sp}): one must divide the other (DeepSpeed's "

@@ -126,6 +126,20 @@ def model_flags(m: ModelSpec, seq_len: int) -> list[str]:
     return flags + ["--max-position-embeddings", str(d["max_position_embeddings"])]
 
 
+def megatron_spec(m: ModelSpec, pp: int):
+    """The MegatronSpec of the line memplan writes for ``m`` (plan --emit, and a --model-impl megatron job
+    without a launch line): GPTModelPipe under the PipelineEngine only at pp > 1 (--no-pipeline-parallel at pp 1),
+    --hidden-dropout / --attention-dropout the model's, the other flags Megatron-DeepSpeed's defaults."""
+    from ..specs import MegatronSpec
+
+    return MegatronSpec(pipeline_engine=pp > 1, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout)
+
+
+def run_flags(m: ModelSpec) -> list[str]:
+    """The dropout flags of megatron_spec (the model's, where Megatron's default 0.1 differs)."""
+    return ["--hidden-dropout", f"{m.hidden_dropout:g}", "--attention-dropout", f"{m.attention_dropout:g}"]
+
+
 def disagreements(launch, m: ModelSpec, seq_len: int) -> list[tuple[str, Any, Any]]:
     """(flag, what the line builds, what --model is) for each model flag where they differ (max positions only
     where it changes the model: the learned table's size)."""
@@ -142,5 +156,5 @@ def disagreements(launch, m: ModelSpec, seq_len: int) -> list[tuple[str, Any, An
     return out
 
 
-__all__ = ["FLAG_OF", "REQUIRED", "default_ffn", "disagreements", "line_model", "model_flags", "model_of_spec",
-           "unbuildable"]
+__all__ = ["FLAG_OF", "REQUIRED", "default_ffn", "disagreements", "line_model", "megatron_spec", "model_flags",
+           "model_of_spec", "run_flags", "unbuildable"]
