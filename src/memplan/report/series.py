@@ -98,12 +98,10 @@ def zero_sweep(job: Job) -> list[Point]:
     """The job under every ZeRO stage / offload choice; the optimizer becomes DeepSpeedCPUAdam under optimizer
     offload (DeepSpeed requires it, engine._configure_optimizer) and AdamW otherwise."""
     out = []
+    from ..optimizers import optimizer_run
+
     for stage, oo, op in ZERO_CHOICES:
-        optimizer = job.training.optimizer
-        if oo != "none":
-            optimizer = "cpu_adam"
-        elif optimizer == "cpu_adam":
-            optimizer = "adamw"
+        optimizer = optimizer_run("adamw" if job.training.optimizer == "cpu_adam" else job.training.optimizer, oo)
         v = variant(job, training={"optimizer": optimizer},
                     zero={"stage": stage, "offload_optimizer": oo, "offload_param": op})
         if v is not None:
