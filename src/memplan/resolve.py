@@ -332,13 +332,16 @@ def _adapters(f: _Fields, req: JobRequest) -> None:
         f.merge({"freeze": split_list(req.freeze, "--freeze")}, "flag", "--freeze")
 
 
-def resolved_fields(req: JobRequest, model=None, gpu=None, trainer=None, variant: dict | None = None
-                    ) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+def resolved_fields(req: JobRequest, model=None, gpu=None, trainer=None, variant: dict | None = None,
+                    settings=None) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
     """(Job fields, source label per field, origin per field) after defaults, files, flags and derivations.
     ``variant``: field changes laid over the files and flags before the derivations (memplan.check.verdict's
-    nearest valid variants; ``pipeline_engine`` is the Megatron spec's)."""
+    nearest valid variants; ``pipeline_engine`` is the Megatron spec's). ``settings``: the --ds-config as a
+    caller already read it (memplan check's reading, which leaves out an optimizer memplan does not model)."""
     model = model if model is not None else _load_model(req.model or ARTICLE_MODEL)
-    if trainer is not None and trainer.fill is not None:
+    if settings is not None:
+        pass
+    elif trainer is not None and trainer.fill is not None:
         settings = _settings_of(trainer.fill.config)
     else:
         settings = _ds_settings(req.ds_config, hf_path(req), _megatron(req)) if req.ds_config else None

@@ -80,7 +80,8 @@ def estimate_for(ctx: dict, model: ModelSpec | None, req, budget) -> Verdict:
 
     for label, change in variants(ctx, model):
         try:
-            fields, source, origin = resolved_fields(req, model, None, ctx.get("trainer"), variant=change)
+            fields, source, origin = resolved_fields(req, model, None, ctx.get("trainer"), variant=change,
+                                                     settings=ctx["settings"])
             job = build_job(model, fields, source, origin)
         except InputError:
             continue

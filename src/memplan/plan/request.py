@@ -70,7 +70,9 @@ def plan_space(req: PlanRequest):
     devices = ("none",) if req.no_offload else (("none", "cpu") if req.no_nvme else ("none", "cpu", "nvme"))
     try:
         space = PlanSpace(
-            model=model, seq_len=seq, global_batch=global_batch, world=world, gpus_per_node=facts["gpus_per_node"],
+            # a job smaller than a node uses world GPUs of it (what the launcher's --num_gpus says)
+            model=model, seq_len=seq, global_batch=global_batch, world=world,
+            gpus_per_node=min(facts["gpus_per_node"], world),
             hardware=hw, target_bytes=target, host_ram_bytes_per_node=req.budget.host_ram_bytes or
             hw.host_ram_bytes_per_node, nvme_bytes_per_node=0 if req.no_nvme or req.no_offload else
             (req.budget.nvme_bytes or hw.nvme_bytes_per_node), dtype=facts["dtype"],
