@@ -84,7 +84,7 @@ def test_ds_config_values_are_sourced_by_key(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
                                 "zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}}))
-    rc, out = run_json(capsys, "estimate", "--model", "llama-3.2-1b", "--ds-config", str(path))
+    _rc, out = run_json(capsys, "estimate", "--model", "llama-3.2-1b", "--ds-config", str(path))
     src = by_field(out["sources"])
     assert src["training.zero.stage"] == {"field": "training.zero.stage", "value": 2, "source": "file",
                                           "origin": "--ds-config zero_optimization.stage"}
@@ -110,10 +110,10 @@ def test_node_budget_defaults_to_the_gpus_usual_node():
 
 def test_the_articles_job_needs_more_pinned_host_ram_than_a_dgx_a100(capsys):
     """The article's job pins more host RAM per node than the 2 TB of a DGX A100 640GB: estimate's node verdict."""
-    rc, out = run_json(capsys, "estimate")
+    _, out = run_json(capsys, "estimate")
     assert out["host_bytes_per_node"] > NODES["a100-80g"].host_ram_bytes
     assert out["node"]["fits_host_ram"] is False and out["node"]["fits_nvme"] is True
-    rc, out = run_json(capsys, "estimate", "--host-ram", "4TiB")
+    _rc, out = run_json(capsys, "estimate", "--host-ram", "4TiB")
     assert out["node"]["fits_host_ram"] is True and out["node"]["host_ram_bytes"] == 4 * 2**40
 
 
