@@ -86,6 +86,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from .outputs import check_folder
 
         check_folder(args.report, "--report")
+    if args.trace is not None:
+        from .outputs import check_file
+
+        check_file(args.trace, "--trace")
     resolved = resolve_job(request_of(args))
     budget = resolve_budget(budget_request_of(args), resolved.gpu)
     est = estimate(resolved.job, target_bytes=budget.target_bytes, gpu_name=budget.gpu_name,
@@ -98,6 +102,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from .report.command import write_estimate_report  # failed write prints nothing
 
         write_estimate_report(est, args.report, flag="--report")
+    if args.trace is not None:
+        _write_trace(resolved.job, args.trace)
     checks = node_checks(est.host_bytes_per_node, est.nvme_bytes_per_node, budget)
     sources = resolved.sources
     from . import render
@@ -123,6 +129,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_trace(job, path: str) -> None:
+    """estimate --trace FILE: the predicted ledger as Chrome trace-event JSON (written whole or not at all)."""
+    import json
+
+    from .errors import InputError
+    from .estimator import ledger_trace
+    from .outputs import write_files
+
+    trace = ledger_trace(job)
+    if trace is None:
+        raise InputError("--trace", "this job is estimated by the phase lists, not an allocation ledger, so there is "
+                                    "no event trace to write; allowed: jobs the ledger models (see the docs)")
+    write_files({path: json.dumps(trace)}, "--trace")
+
+
 def _add_estimate(sub) -> None:
     from .options import add_budget_arguments, add_job_arguments
 
@@ -135,6 +156,8 @@ def _add_estimate(sub) -> None:
     p.add_argument("--calibration", metavar="FILE",
                    help="scale the estimate by a file from `memplan calibrate` (default: the uncalibrated model)")
     p.add_argument("--report", metavar="DIR", help="also write memplan report's Markdown/HTML page and plots to DIR")
+    p.add_argument("--trace", metavar="FILE", help="also write the predicted allocation ledger and its simulated "
+                                                    "reserved memory as Chrome trace-event JSON (Perfetto)")
     p.set_defaults(func=cmd_estimate)
 
 

@@ -21,7 +21,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "device_total_bytes": c.device_total_bytes, "host_bytes_per_node": c.host_bytes_per_node,
         "nvme_bytes_per_node": c.nvme_bytes_per_node, "peak_phase": c.peak_phase,
         "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s, "binding": c.binding,
-        "fits": c.fits, "misses": list(c.misses),
+        "fits": c.fits, "misses": list(c.misses), "confirmed": c.confirmed,
         "step_terms_s": {t.name: t.seconds for t in c.step.terms},
     }
 
@@ -53,8 +53,8 @@ def plan_dict(result: PlanResult, top: int, notes: list[str], user: dict | None 
     from ..sources import sources_json
 
     out = {
-        "candidates": [candidate_dict(c) for c in result.candidates[:top]],
-        "closest": [] if result.candidates else [candidate_dict(c) for c in result.closest[:top]],
+        "candidates": [candidate_dict(c) for c in result.shown(top)],
+        "closest": [] if result.shown(top) else [candidate_dict(c) for c in result.closest[:top]],
         "assumptions": assumptions(result.space, notes, result.notes),
         "searched": result.searched,
         "evaluated": result.evaluated,
@@ -133,10 +133,10 @@ def render(result: PlanResult, top: int, notes: list[str], console, user_lines: 
     """Print the plan: the fitting rows (or the closest misses, said plainly), assumptions, counts, and where the
     plan's fixed facts came from."""
     space = result.space
-    if result.candidates:
-        console.print(_table(f"{result.feasible} of {result.searched} configurations fit; the fastest "
-                             f"{min(top, len(result.candidates))} of {len(result.candidates)} distinct rows",
-                             list(result.candidates[:top])))
+    if result.shown(top):
+        console.print(_table(f"{result.feasible} of {result.searched} configurations pass the memory screen; the "
+                             f"fastest {len(result.shown(top))} of {len(result.candidates)} distinct rows, "
+                             "confirmed by the estimator", result.shown(top)))
     else:
         console.print(f"[bold red]No configuration fits[/] {fmt_gib(space.target_bytes)} per GPU with host RAM "
                       f"{_node(space.host_ram_bytes_per_node)} and NVMe {_node(space.nvme_bytes_per_node)} per node "
