@@ -153,6 +153,8 @@ def model_rules(launch: Launch, m: ModelSpec, seq: int | None) -> list[Finding]:
         if line[key] is None:
             out.append(error(FLAG_OF[key], "required: validate_args asserts it is not None", f"{FLAG_OF[key]} N"))
     for flag, got, want in disagreements(launch, m, seq or 0):
+        if got is None:  # derived from a required flag the line lacks, which is already an error above
+            continue
         shown = {True: "on", False: "off"}
         out.append(error(flag, f"the launch line builds {shown.get(got, got)}, --model {m.name} has "
                          f"{shown.get(want, want)}: Megatron trains the line's model, memplan estimates --model's",
