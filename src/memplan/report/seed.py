@@ -72,11 +72,18 @@ def section_a(check, sp8: Estimate, sp8_full: Estimate) -> list[Block]:
 
 
 def _layout_problems(model, seq: int) -> dict[str, str]:
-    from ..plan.space import check_problem, zero_problem
+    from ..plan.space import check_problem, job_problem
+    from ..specs import Job, Layout, TrainingSpec, ZeroSpec
+
+    def zero3_offload(tp: int, pp: int, sp: int) -> Job:  # the article's ZeRO-3 with the optimizer on the CPU
+        zero = ZeroSpec(stage=3, offload_optimizer="cpu")
+        return Job(model=model, training=TrainingSpec(seq_len=seq, dtype="fp16", optimizer="cpu_adam", zero=zero),
+                   layout=Layout(world=8, tp=tp, pp=pp, sp=sp))
 
     out = {}
     for tp, pp, sp in ((2, 2, 2), (1, 2, 4)):
-        why = [w for w in (check_problem(model, seq, 8, tp, pp, sp), zero_problem(3, pp, "cpu", "none")) if w]
+        zero_why = job_problem(lambda tp=tp, pp=pp, sp=sp: zero3_offload(tp, pp, sp))  # the Job validator's rules
+        why = [w for w in (check_problem(model, seq, 8, tp, pp, sp), zero_why) if w]
         out[f"TP={tp}, PP={pp}, SP={sp}"] = "; ".join(why) or "valid"
     return out
 

@@ -24,7 +24,7 @@ from ..units import MAX_SIZE_BYTES
 #: Ulysses degrees a report compares (DeepSpeed-Ulysses, Jacobs et al. 2023, splits the sequence over sp ranks)
 SP_DEGREES = (1, 2, 4, 8)
 #: (ZeRO stage, offload_optimizer, offload_param) choices compared: offload_optimizer needs stage >= 1 and
-#: offload_param stage 3 (the ZeroSpec validators; memplan.plan.space.zero_problem applies the same rules)
+#: offload_param stage 3 (the ZeroSpec validators; memplan.plan.space.job_problem applies them through the Job validator)
 ZERO_CHOICES = (
     (0, "none", "none"), (1, "none", "none"), (1, "cpu", "none"), (2, "none", "none"), (2, "cpu", "none"),
     (2, "nvme", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "nvme", "none"), (3, "cpu", "cpu"),
