@@ -122,7 +122,7 @@ def test_estimate_has_the_issue_flags():
         (("estimate", "--seq", "-1"), "--seq"),
         (("estimate", "--target", "24"), "--target"),
         (("estimate", "--target", "lots"), "--target"),
-        (("estimate", "--gpu", "v100"), "--gpu"),
+        (("estimate", "--gpu", "x100"), "--gpu"),
         (("estimate", "--mod", "176b"), "--mod"),  # no abbreviations: scripts must spell flags out
         (("estimate", "stray"), "stray"),
     ],

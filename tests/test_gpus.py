@@ -12,7 +12,7 @@ from memplan.units import GB, GiB, MiB
 
 #: the marketing capacities (datasheet titles) the nvidia-smi totals are compared with, in bytes
 MARKETED_BYTES = {"a100-40g": 40 * GiB, "a100-80g": 80 * GiB, "h100-80g": 80 * GB, "h200": 141 * GB,
-                  "b200": 180 * GB}
+                  "b200": 180 * GB, "v100-16g": 16 * GiB}
 
 
 def test_issue_presets_exist():

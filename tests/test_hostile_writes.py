@@ -108,7 +108,7 @@ def test_plan_emit_writes_all_three_files_or_none():
         (emit / "launch.sh").mkdir(parents=True)  # the second file cannot be written
         argv = ["plan", "--model", "llama-3.2-1b", "--seq", "1024", "--gpus", "8", "--zero-stages", "1",
                 "--no-offload", "--checkpointing", "full", "--attention", "flash", "--max-micro-batch", "1",
-                "--emit", "1", "--emit-dir", str(emit), "--json"]
+                "--model-impl", "megatron", "--emit", "1", "--emit-dir", str(emit), "--json"]
         assert_refused(argv, "--emit-dir", root)
         assert sorted(p.name for p in emit.iterdir()) == ["launch.sh"]
 

@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 from memplan import cli
+from memplan.budget import BudgetRequest, resolve_budget
 from memplan.check.command import collect, estimate_for
 from memplan.check.launch import parse_launch
 from memplan.megatron.launch import megatron_spec_from_launch
 from memplan.presets import load_model
+from memplan.resolve import JobRequest
 
 SEED = Path(__file__).resolve().parents[1] / "examples" / "seed-176b"
 LAUNCH = ("deepspeed --num_gpus 8 pretrain_gpt.py --tensor-model-parallel-size 1 --ds-sequence-parallel-size 8 "
@@ -43,8 +45,8 @@ def test_check_on_a_megatron_launch_estimates_megatrons_gpt():
            "zero_optimization": {"stage": 1}}
     model = load_model("176b")
     _, ctx = collect(cfg, launch, model, None, None, None)
-    args = type("A", (), {"nodes": None, "target": None, "gpu": None})()
-    est, _, _ = estimate_for(ctx, model, args)
+    req = JobRequest(model="176b", launch=launch, gpus=8)
+    est = estimate_for(ctx, model, req, resolve_budget(BudgetRequest())).estimate
     t = est.job.training
     assert t.model_impl == "megatron" and t.attention == "flash" and t.checkpointing == "full"
     assert t.megatron.recompute_num_layers == 2 and not t.megatron.pipeline_engine

@@ -1,4 +1,5 @@
-"""memplan.options: the shared job flags, their defaults (the seed's scenario) and their precedence."""
+"""memplan.options / memplan.resolve: the shared job flags, their defaults (the article's job for its model) and
+their precedence."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan import options
+from memplan import options, resolve
 from memplan.errors import InputError
 from memplan.specs import ModelSpec
 
@@ -19,7 +20,7 @@ TOY = ModelSpec(
     intermediate_size=512, vocab_size=1000, max_position_embeddings=65536,
 )
 
-#: issue 2's flag list ("keep these names: other tools script against them"), minus estimate's own
+#: the shared job flags ("keep these names: other tools script against them"), minus estimate's own
 ISSUE_FLAGS = (
     "--model", "--seq", "--micro-batch", "--grad-accum", "--gpus", "--gpus-per-node", "--tp", "--pp", "--sp",
     "--zero", "--offload-optimizer", "--offload-param", "--dtype", "--checkpointing", "--attention", "--ds-config",
@@ -28,7 +29,7 @@ ISSUE_FLAGS = (
 
 @pytest.fixture(autouse=True)
 def toy_model(monkeypatch):
-    monkeypatch.setattr(options, "_load_model", lambda name: TOY)
+    monkeypatch.setattr(resolve, "_load_model", lambda name, flag="--model": TOY)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def write_json(tmp_path, obj) -> str:
     return str(path)
 
 
-def test_issue_flags_exist_and_default_to_none():
+def test_job_flags_exist_and_default_to_none():
     parser = argparse.ArgumentParser()
     options.add_job_arguments(parser)
     flags = {s for a in parser._actions for s in a.option_strings}
@@ -57,7 +58,7 @@ def test_issue_flags_exist_and_default_to_none():
     assert all(v is None for v in vars(ns).values())
 
 
-def test_no_flags_is_the_seed_scenario():
+def test_no_flags_is_the_articles_job():
     j = job()
     t, z, lay = j.training, j.training.zero, j.layout
     assert (t.seq_len, t.micro_batch, t.dtype) == (32768, 1, "fp16")
@@ -73,9 +74,10 @@ def test_seed_fields_match_the_seed_ds_config_when_present():
     seed = Path(__file__).resolve().parents[1] / "examples" / "seed-176b" / "ds_config_ulysses.json"
     if not seed.is_file():
         pytest.skip("examples/seed-176b/ not in this checkout")
-    fields, _ = options.resolved_fields(parse("--ds-config", str(seed)))
-    assert fields["zero"] == options.SEED_FIELDS["zero"]
-    assert (fields["dtype"], fields["micro_batch"]) == (options.SEED_FIELDS["dtype"], options.SEED_FIELDS["micro_batch"])
+    fields, _, _ = resolve.resolved_fields(options.request_of(parse("--ds-config", str(seed))))
+    assert fields["zero"] == resolve.ARTICLE_FIELDS["zero"]
+    assert (fields["dtype"], fields["micro_batch"]) == (resolve.ARTICLE_FIELDS["dtype"],
+                                                        resolve.ARTICLE_FIELDS["micro_batch"])
 
 
 def test_flags_override_the_defaults():
@@ -131,7 +133,7 @@ def test_errors_name_the_flag_and_keep_the_arithmetic(argv, flag, words):
 
 
 def test_defaulted_sp_says_so():
-    with pytest.raises(InputError, match="defaults to the seed's 8"):
+    with pytest.raises(InputError, match="defaults to the article's 8"):
         job("--gpus", "4")
 
 
@@ -172,8 +174,3 @@ def test_explicit_flags_always_win(zero, dtype, sp, dp, micro, ckpt, offload):
         zero, dtype, micro, ckpt, offload)
     assert (j.layout.sp, j.layout.dp) == (sp, dp)
     assert t.optimizer == ("cpu_adam" if offload != "none" else "adamw")
-
-
-def test_explicit_flags_lists_what_was_given():
-    ns = parse("--seq", "8", "--zero", "2", "--model", "x")
-    assert set(options.explicit_flags(ns)) == {"--model", "--seq", "--zero"}

@@ -55,7 +55,10 @@ def test_table_output_names_the_binding_constraint(capsys):
 def test_emit_round_trips_through_dsconfig(tmp_path, capsys):
     from memplan.dsconfig import ds_settings, load_ds_config
 
-    rc, out = run_json(capsys, SMALL + ["--emit", "2", "--emit-dir", str(tmp_path)])
+    # --emit writes a Megatron-DeepSpeed pretrain_gpt.py line, so the plan is of a model Megatron's GPT builds
+    argv = ["plan", "--model", "llama-3.2-1b", "--seq", "4096", "--gpus", "8", "--gpu", "a100-80g", "--top", "3",
+            "--model-impl", "megatron", "--emit", "2", "--emit-dir", str(tmp_path)]
+    rc, out = run_json(capsys, argv)
     assert rc == 0
     row = out["candidates"][1]
     cfg = load_ds_config(tmp_path / "ds_config.json")

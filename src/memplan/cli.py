@@ -70,12 +70,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     """Predict the per-GPU memory of a DeepSpeed training job before launching it.
 
     Prints the breakdown at the peak (GiB and share of the peak), the phase that sets the peak, peak
-    allocated / reserved / device total, host RAM and NVMe per node for offload, and a verdict against
-    --target and --gpu. With no flags it estimates the seed's scenario: the 176B GPT-style model, seq 32768,
-    8 GPUs, ZeRO-3 with the optimizer offloaded to CPU, fp16, Ulysses sp 8. --json prints one JSON object.
+    allocated / reserved / device total, host RAM and NVMe per node for offload, verdicts against --target,
+    --gpu and the node's host RAM and NVMe (--host-ram, --nvme; default: the GPU's usual node), and where each
+    value of the job came from. With no flags it estimates the article's job (examples/seed-176b): the 176B
+    GPT-style model, seq 32768, 8×A100-80GB on one node, ZeRO-3 with the optimizer offloaded to CPU, fp16,
+    Ulysses sp 8. Any other --model gets neutral defaults (DeepSpeed's ZeRO defaults, bf16, seq
+    min(4096, max positions), one node). --json prints one JSON object.
     """
     from .api import estimate
-    from .options import job_from_args
+    from .budget import node_checks, resolve_budget
+    from .options import budget_request_of, request_of
+    from .resolve import resolve_job
 
     if args.report is not None:  # refused before any work, so that nothing is printed or written
         from .outputs import check_folder
@@ -85,30 +90,42 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from .outputs import check_file
 
         check_file(args.trace, "--trace")
-    job = job_from_args(args)
-    target = _target_bytes(args.target)
-    gpu = None
-    if args.gpu is not None:
-        from .gpus import resolve_gpu
-
-        gpu = resolve_gpu(args.gpu)
-    est = estimate(job, target_bytes=target, gpu_name=gpu and gpu.name, gpu_bytes=gpu and gpu.memory_bytes)
+    resolved = resolve_job(request_of(args))
+    budget = resolve_budget(budget_request_of(args), resolved.gpu)
+    est = estimate(resolved.job, target_bytes=budget.target_bytes, gpu_name=budget.gpu_name,
+                   gpu_bytes=budget.gpu_bytes)
     if args.calibration is not None:
         from .calibrate.files import apply_file
 
         est = apply_file(est, args.calibration)
-    if args.report:  # issue 6: the same page `memplan report` writes (needs the report extra); written first,
-        from .report.command import write_estimate_report  # so a failed write prints nothing
+    if args.report:  # the same page `memplan report` writes (needs the report extra); written first, so that a
+        from .report.command import write_estimate_report  # failed write prints nothing
 
         write_estimate_report(est, args.report, flag="--report")
     if args.trace is not None:
-        _write_trace(job, args.trace)
+        _write_trace(resolved.job, args.trace)
+    checks = node_checks(est.host_bytes_per_node, est.nvme_bytes_per_node, budget)
+    sources = resolved.sources
     from . import render
 
     if args.json:
-        render.write_json(est, sys.stdout)
+        import json
+
+        from .budget import node_json
+        from .sources import sources_json
+
+        out = {**render.estimate_json(est), "node": node_json(checks, budget), "sources": sources_json(sources)}
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
-        render.render_estimate(est)
+        from rich.console import Console
+
+        from .budget import node_lines
+        from .sources import source_lines
+
+        console = Console()
+        render.render_estimate(est, console)
+        for line in node_lines(checks) + source_lines(sources):
+            console.print(line, highlight=False, markup=False)
     return 0
 
 
@@ -127,24 +144,14 @@ def _write_trace(job, path: str) -> None:
     write_files({path: json.dumps(trace)}, "--trace")
 
 
-def _target_bytes(text: str | None, flag: str = "--target") -> int | None:
-    """--target SIZE: a size with a unit (memplan.bounds.size: the one size rule of every command)."""
-    if text is None:
-        return None
-    from .bounds import size
-
-    return size(text, flag)
-
-
 def _add_estimate(sub) -> None:
-    from .options import add_job_arguments
+    from .options import add_budget_arguments, add_job_arguments
 
     doc = cmd_estimate.__doc__
     p = sub.add_parser("estimate", help=doc.splitlines()[0], description=doc, allow_abbrev=False,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(p)
-    p.add_argument("--gpu", metavar="NAME|SIZE", help="a100-40g, a100-80g, h100-80g, h200, b200, or a size (80GiB)")
-    p.add_argument("--target", metavar="SIZE", help="per-GPU budget to check against, e.g. 24GiB")
+    add_budget_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--calibration", metavar="FILE",
                    help="scale the estimate by a file from `memplan calibrate` (default: the uncalibrated model)")

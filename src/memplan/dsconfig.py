@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from .bounds import MAX_COUNT, MAX_ELEMENTS, MAX_RANKS, check_count
 from .dsbatch import batch_problem, derive_batch, resolve_batch  # noqa: F401 - re-exported
 from .errors import InputError, shorten
+from .optimizers import optimizer_run
 from .specs import Optimizer, TrainDtype
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -249,7 +250,7 @@ def optimizer_choice(cfg: dict, offload_optimizer: str | None) -> tuple[str | No
     if lowered in ("adam", "adamw"):
         if isinstance(params, dict) and params.get("torch_adam") is True:
             return name, "torch_adamw"
-        return name, "cpu_adam" if offload_optimizer in ("cpu", "nvme") else "adamw"
+        return name, optimizer_run("adamw", offload_optimizer)
     if lowered == "lion":
         return name, "lion"
     if lowered == "sgd":

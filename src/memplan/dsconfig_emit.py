@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import InputError
+from .optimizers import optimizer_problem
 from .specs import Job, ZeroSpec
 
 #: learning rate of every emitted optimizer; memory does not depend on it
@@ -68,8 +69,9 @@ def optimizer_section(job: Job) -> dict[str, Any]:
     """The "optimizer" section for the job's optimizer (see the module docstring for the mapping)."""
     t = job.training
     name = t.optimizer
-    if name == "cpu_adam" and t.zero.offload_optimizer == "none":
-        raise InputError("optimizer", "cpu_adam needs --offload-optimizer cpu or nvme (DeepSpeedCPUAdam runs on the host)")
+    problem = optimizer_problem(name, t.zero.offload_optimizer)  # memplan.optimizers: the one rule
+    if problem:
+        raise InputError("optimizer", problem)
     if name == "torch_adamw" and t.zero.offload_optimizer != "none":
         raise InputError(
             "optimizer", "torch_adamw cannot be offloaded (DeepSpeed forces DeepSpeedCPUAdam); use adamw or cpu_adam"

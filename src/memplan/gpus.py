@@ -22,8 +22,8 @@ from .units import MiB, parse_size_bytes
 TB_S = 10**12
 GB_S = 10**9
 
-#: PCIe x16 bandwidth per direction, by generation (PCI-SIG: 16 / 32 GT/s per lane → ~32 / ~64 GB/s)
-PCIE_BYTES_PER_S = {4: 32 * GB_S, 5: 64 * GB_S}
+#: PCIe x16 bandwidth per direction, by generation (PCI-SIG: 8 / 16 / 32 GT/s per lane → ~16 / ~32 / ~64 GB/s)
+PCIE_BYTES_PER_S = {3: 16 * GB_S, 4: 32 * GB_S, 5: 64 * GB_S}
 
 
 class GpuSpec(BaseModel):
@@ -34,7 +34,8 @@ class GpuSpec(BaseModel):
     name: str
     aliases: tuple[str, ...] = ()
     memory_bytes: int = Field(gt=0, description="nvidia-smi memory.total")
-    bf16_tflops: float | None = Field(None, description="dense BF16/FP16 tensor-core TFLOP/s")
+    bf16_tflops: float | None = Field(None, description="dense BF16/FP16 tensor-core TFLOP/s (FP16 without bf16)")
+    bf16: bool = Field(True, description="the tensor cores run bfloat16 (Ampere and later; Volta has FP16 only)")
     fp32_tflops: float | None = Field(None, description="FP32 (non-tensor) TFLOP/s")
     hbm_bytes_per_s: int | None = None
     nvlink_bytes_per_s: int | None = Field(None, description="NVLink per GPU, both directions added")
@@ -57,6 +58,13 @@ _A100_SHEET = "NVIDIA A100 Tensor Core GPU datasheet (SXM4; 312 dense BF16, 19.5
 _NVSMI_NOTE = "memory: nvidia-smi memory.total"
 
 GPU_PRESETS: tuple[GpuSpec, ...] = (
+    GpuSpec(
+        name="v100-16g", aliases=("v100", "v100-16gb", "v100-sxm2-16gb", "v100-16"),
+        memory_bytes=16160 * MiB, bf16_tflops=125.0, bf16=False, fp32_tflops=15.7, hbm_bytes_per_s=900 * GB_S,
+        nvlink_bytes_per_s=300 * GB_S, pcie_gen=3, pcie_bytes_per_s=PCIE_BYTES_PER_S[3],
+        source="NVIDIA Tesla V100 GPU datasheet (SXM2: 125 tensor FP16, no BF16, 15.7 FP32, HBM2 900 GB/s, NVLink "
+        f"300 GB/s, PCIe Gen3); {_NVSMI_NOTE} 16160 MiB (Tesla V100-SXM2-16GB)",
+    ),
     GpuSpec(
         name="a100-40g", aliases=("a100-40gb", "a100-sxm4-40gb", "a100-40"),
         memory_bytes=40960 * MiB, bf16_tflops=312.0, fp32_tflops=19.5, hbm_bytes_per_s=1555 * GB_S,

@@ -45,6 +45,15 @@ def _load_preset(name: str) -> ModelSpec:
     return model_from_config(cfg, name=name, source=str(cfg.get("_memplan_source", f"preset {name}")))
 
 
+def model_label(name: str) -> str:
+    """The model's name for file names and titles: a preset's name whole (``qwen2.5-0.5b``, whose ``.5b`` is no
+    suffix), a config file's stem (``176b_config`` for ``examples/seed-176b/176b_config.json``)."""
+    path = Path(name)
+    if path.suffix == ".json":
+        return path.stem
+    return path.name if ("/" in name or "\\" in name) else name
+
+
 def load_model(name_or_path: str) -> ModelSpec:
     """A preset by name (see list_presets) or a Hugging Face config.json by path → ModelSpec."""
     if not isinstance(name_or_path, str) or not name_or_path.strip():

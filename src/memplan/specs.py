@@ -255,9 +255,22 @@ class Job(_Frozen):
                 raise ValueError(
                     f"num_attention_heads ({m.num_heads}) must be divisible by tp·sp ({lay.tp}·{lay.sp})"
                 )
-            if m.num_kv_heads < lay.sp or m.num_kv_heads % lay.sp:
+            kv = m.num_kv_heads
+            if t.model_impl == "megatron" and kv < lay.sp:
                 raise ValueError(
-                    f"num_key_value_heads ({m.num_kv_heads}) must be a multiple of sp ({lay.sp}) (DeepSpeed Ulysses)"
+                    f"num_key_value_heads ({kv}) must be at least sp ({lay.sp}) (DeepSpeed's DistributedAttention, "
+                    "sequence/layer.py _resolve_kv_heads asserts it)"
+                )
+            if t.model_impl != "megatron" and t.attention == "eager":
+                raise ValueError(
+                    f"attention eager with Ulysses sp ({lay.sp}): DeepSpeed's UlyssesSPAttentionHF."
+                    "register_with_transformers refuses attn_implementation eager; allowed: sdpa or flash"
+                )
+            if t.model_impl != "megatron" and kv % lay.sp and lay.sp % kv:
+                raise ValueError(
+                    f"num_key_value_heads ({kv}) and sp ({lay.sp}): one must divide the other (DeepSpeed's "
+                    "UlyssesSPAttentionHF splits the kv heads over the sp ranks, or replicates them when sp is a "
+                    "multiple of their count)"
                 )
         if lay.tp > 1 and m.num_heads % lay.tp:
             raise ValueError(f"num_attention_heads ({m.num_heads}) must be divisible by tp ({lay.tp})")

@@ -7,6 +7,8 @@
 - Strict sections: a top-level key whose section DeepSpeedConfig refuses with an unknown key in it; its
   allowed keys are the pydantic fields and aliases of the class the ValidationError names, recursively.
 - Removed keys: runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS / _REMOVED_ZERO_CONFIG_KEYS.
+- Deprecated ZeRO keys: DeepSpeedZeroConfig fields marked deprecated (runtime/zero/config.py), each with the
+  key DeepSpeed maps it to and whether it sets that key (config_utils.py _process_deprecated_field).
 - Launchers: deepspeed.launcher.runner.parse_args, torch.distributed.run.get_args_parser (option strings).
 - Megatron-DeepSpeed: every add_argument in megatron/arguments.py (parsed with ast, not executed), plus
   deepspeed.add_config_arguments.
@@ -134,7 +136,20 @@ def deepspeed_tables() -> dict:
         "ds_strict_sections": dict(sorted(strict.items())),
         "ds_removed_top_level": dict(dsc._REMOVED_TOP_LEVEL_CONFIG_KEYS),
         "ds_removed_zero": dict(dsc._REMOVED_ZERO_CONFIG_KEYS),
+        "ds_deprecated_zero": deprecated_zero_keys(),
     }
+
+
+def deprecated_zero_keys() -> dict[str, dict]:
+    """DeepSpeedZeroConfig's deprecated fields: key → {"new": the key it maps to, "sets": whether it sets it}."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    out = {}
+    for name, field in DeepSpeedZeroConfig.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("deprecated"):
+            out[name] = {"new": extra.get("new_param", ""), "sets": bool(extra.get("set_new_param", True))}
+    return dict(sorted(out.items()))
 
 
 def _parser_flags(parser: argparse.ArgumentParser) -> dict[str, bool]:

@@ -75,28 +75,100 @@ def _at(cfg: dict, path: str):
     return node
 
 
-def settings_or_finding(cfg: dict, hf: bool = False) -> tuple[DsSettings | None, list[Finding]]:
-    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding. ``hf``: the job runs
-    under the Hugging Face Trainer, which fills "auto" values (memplan.dsconfig.ds_settings).
+#: the torch.optim classes DeepSpeed falls back to for a type it does not build (engine._configure_basic_optimizer:
+#: getattr(torch.optim, name), case-sensitive): torch 2.11's torch/optim/__init__.py
+TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
+                    "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
+#: torch's classes among ZERO_SUPPORTED_OPTIMIZERS (runtime/zero/utils.py); any other needs
+#: zero_allow_untested_optimizer under ZeRO (engine._do_optimizer_sanity_check asserts it)
+ZERO_TESTED_TORCH = ("Adam", "AdamW", "Adagrad")
 
-    An optimizer DeepSpeed builds but memplan does not model (Lamb, Adagrad, ...) is an info and is left out.
-    """
+
+def _zero_on(cfg: dict) -> bool:
+    zero = cfg.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return isinstance(stage, int) and not isinstance(stage, bool) and stage > 0
+
+
+def optimizer_rules(cfg: dict) -> tuple[dict, list[Finding]]:
+    """The optimizer section as DeepSpeed builds it: a DeepSpeed name (matched lower-cased), else a torch.optim
+    class by its exact name; under ZeRO a class outside ZERO_SUPPORTED_OPTIMIZERS needs
+    zero_allow_untested_optimizer. Returns the config memplan reads (an optimizer memplan does not model is
+    left out: the estimate assumes AdamW's states) and the findings."""
     opt = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), dict) else {}
     name = str(opt.get("type", ""))
     out: list[Finding] = []
-    if name and name.lower() in DEEPSPEED_OPTIMIZERS and name.lower() not in ("adam", "adamw", "lion"):
+    without = {k: v for k, v in cfg.items() if k != "optimizer"}
+    if not name or name.lower() in ("adam", "adamw", "lion") or name == "SGD":
+        pass
+    elif name.lower() in DEEPSPEED_OPTIMIZERS:
         out.append(info("optimizer.type", f"DeepSpeed builds {name}; memplan models Adam/AdamW, Lion and SGD, so "
                                           "the estimate assumes AdamW states"))
-        cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
-    elif name and name.lower() not in DEEPSPEED_OPTIMIZERS and name != "SGD" and name.lower() == "sgd":
+        return without, out
+    elif name in TORCH_OPTIMIZERS:
+        if _zero_on(cfg) and name not in ZERO_TESTED_TORCH and cfg.get("zero_allow_untested_optimizer") is not True:
+            out.append(error("optimizer.type", f"torch.optim.{name} under ZeRO: engine._do_optimizer_sanity_check "
+                             "asserts 'You are using an untested ZeRO Optimizer' unless zero_allow_untested_optimizer "
+                             "is true (it is not in ZERO_SUPPORTED_OPTIMIZERS)", "add \"zero_allow_untested_optimizer\": "
+                             "true"))
+        elif _zero_on(cfg) and name not in ZERO_TESTED_TORCH:
+            out.append(info("optimizer.type", f"torch.optim.{name} under ZeRO with zero_allow_untested_optimizer: "
+                            "DeepSpeed warns ('untested optimizer, proceed with caution') and trains"))
+        out.append(info("optimizer.type", f"DeepSpeed builds torch.optim.{name}; memplan models Adam/AdamW, Lion and "
+                                          f"SGD, so the estimate assumes AdamW's states (more than {name} keeps)"))
+        return without, out
+    elif name.lower() in (n.lower() for n in TORCH_OPTIMIZERS):
+        real = next(n for n in TORCH_OPTIMIZERS if n.lower() == name.lower())
         out.append(error("optimizer.type", f"'{name}' is looked up as torch.optim.{name} (case-sensitive, "
-                                           "engine._configure_basic_optimizer): that is a module, not a class",
-                         "write \"SGD\""))
-        cfg = {**cfg, "optimizer": {**opt, "type": "SGD"}}
+                                           f"engine._configure_basic_optimizer): there is no such class",
+                         f"write \"{real}\""))
+        return ({**cfg, "optimizer": {**opt, "type": real}} if real in ("SGD", "Adam", "AdamW") else without), out
+    else:
+        out.append(error("optimizer.type", f"{name} is neither a DeepSpeed optimizer nor a torch.optim class: "
+                                           f"_do_sanity_check asserts '{name} is not a supported DeepSpeed Optimizer'",
+                         "use Adam, AdamW, Lion, Lamb, Adagrad or a torch.optim class name"))
+        return without, out
+    return cfg, out
+
+
+def settings_or_finding(cfg: dict, hf: bool = False, megatron: bool = False) -> tuple[DsSettings | None,
+                                                                                     list[Finding]]:
+    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding. ``hf``: the job runs
+    under the Hugging Face Trainer, which fills "auto" values (memplan.dsconfig.ds_settings). ``megatron``:
+    Megatron-DeepSpeed passes its own optimizer, so the JSON's optimizer section is never built
+    (rules_megatron.megatron_ds_rules says so)."""
+    if megatron:
+        cfg, out = {k: v for k, v in cfg.items() if k != "optimizer"}, []
+    else:
+        cfg, out = optimizer_rules(cfg)
     try:
         return ds_settings(cfg, hf=hf), out
     except InputError as err:
         return None, out + [error(err.field, err.message, "see DeepSpeed's config documentation for allowed values")]
+
+
+def deprecated_keys(cfg: dict) -> list[Finding]:
+    """Deprecated zero_optimization keys (tables: DeepSpeedZeroConfig's deprecated fields): DeepSpeed maps them to
+    the new key and warns (config_utils.py _process_deprecated_field); given with the new key it asserts."""
+    zero = cfg.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return []
+    out = []
+    for key, how in tables().get("ds_deprecated_zero", {}).items():
+        if key not in zero:
+            continue
+        new = how["new"]
+        if how["sets"] and new in zero:
+            out.append(error(f"zero_optimization.{key}", f"deprecated, and given with {new}: _process_deprecated_field "
+                             f"asserts \"Cannot provide deprecated parameter '{key}' and replacing parameter '{new}' "
+                             "together\"", f"remove '{key}'"))
+        elif how["sets"]:
+            out.append(warning(f"zero_optimization.{key}", f"deprecated, not removed: DeepSpeed maps it to {new} and "
+                               "warns (config_utils.py _process_deprecated_field)", f"write {new} instead"))
+        else:
+            out.append(warning(f"zero_optimization.{key}", f"deprecated: DeepSpeed warns and ignores it (use {new})",
+                               f"remove '{key}'"))
+    return out
 
 
 def value_rules(cfg: dict, s: DsSettings) -> list[Finding]:
@@ -169,16 +241,17 @@ def _auto_paths(cfg: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def ds_rules(cfg: dict, trainer: bool = False, hf: bool | None = None) -> tuple[DsSettings | None, list[Finding]]:
+def ds_rules(cfg: dict, trainer: bool = False, hf: bool | None = None,
+             megatron: bool = False) -> tuple[DsSettings | None, list[Finding]]:
     """All rules on the config alone, and memplan's reading of it (None when DeepSpeed would refuse a value).
 
     ``trainer`` (or ``hf``): the Hugging Face Trainer fills the config (rules_hf reports what it left; see
-    settings_or_finding for the "auto" it accepts)."""
+    settings_or_finding for the "auto" it accepts). ``megatron``: a Megatron-DeepSpeed launch (its optimizer)."""
     trainer = trainer or bool(hf)
-    findings = removed_keys(cfg) + unknown_top_level(cfg) + strict_sections(cfg)
+    findings = removed_keys(cfg) + deprecated_keys(cfg) + unknown_top_level(cfg) + strict_sections(cfg)
     if not trainer:
         findings += auto_rules(cfg)
-    settings, more = settings_or_finding(cfg, trainer)
+    settings, more = settings_or_finding(cfg, trainer, megatron)
     findings += more
     if settings is not None:
         findings += value_rules(cfg, settings)

@@ -1,8 +1,8 @@
 """Rules across the launch line, the DeepSpeed config and the model config.
 
 Megatron-DeepSpeed references are to microsoft/Megatron-DeepSpeed at the commit in tables.json:
-megatron/arguments.py (parse_args with allow_abbrev=False, validate_args), megatron/core/parallel_state.py
-(initialize_model_parallel), pretrain_gpt.py (model_provider, get_batch), megatron/optimizer/__init__.py.
+megatron/arguments.py (validate_args), megatron/core/parallel_state.py (initialize_model_parallel),
+pretrain_gpt.py (get_batch); the rules only a Megatron-DeepSpeed line has are rules_megatron's.
 """
 
 from __future__ import annotations
@@ -13,19 +13,8 @@ from dataclasses import dataclass, field
 from ..dsconfig import DsSettings, batch_problem, derive_batch
 from ..specs import ModelSpec
 from .findings import Finding, error, info, warning
-from .launch import Launch, launch_world, resolve_flag
-from .tables import launcher_flags, megatron_flags, tables
-
-#: flags megatron/arguments.py defines but validate_args refuses (deprecated arguments block)
-_MEGATRON_REFUSED = {
-    "--batch-size": (("'--batch-size argument is no longer valid, use --micro-batch-size instead' (validate_args "
-                     "asserts args.batch_size is None)"), "remove --batch-size; --micro-batch-size sets the batch"),
-    "--warmup": ("validate_args asserts args.warmup is None", "use --lr-warmup-fraction"),
-    "--model-parallel-size": ("validate_args asserts args.model_parallel_size is None",
-                              "use --tensor-model-parallel-size"),
-}
-#: well-known misspellings → the flag Megatron-DeepSpeed really has
-_MEGATRON_RENAMES = {"--sequence-parallel-size": "--ds-sequence-parallel-size"}
+from .launch import Launch, launch_world
+from .tables import launcher_flags, tables
 
 
 @dataclass
@@ -66,28 +55,6 @@ def launcher_rules(launch: Launch) -> list[Finding]:
                              "'unrecognized arguments'", f"use {hint[0]}" if hint else "remove it"))
     if launch.script is None:
         out.append(error("launch", "no training script found on the launch line", "name the script to run"))
-    return out
-
-
-def megatron_flag_rules(launch: Launch) -> list[Finding]:
-    """megatron/arguments.py parse_args (allow_abbrev=False): an unknown flag stops the job at start."""
-    flags = megatron_flags()
-    out = []
-    for flag, _ in launch.script_args:
-        if flag in _MEGATRON_REFUSED:
-            why, fix = _MEGATRON_REFUSED[flag]
-            out.append(error(flag, f"Megatron-DeepSpeed refuses it: {why}", fix))
-        elif resolve_flag(flag, flags, allow_abbrev=False) is None:
-            real = _MEGATRON_RENAMES.get(flag) or next(iter(difflib.get_close_matches(flag, list(flags), n=1)), None)
-            out.append(error(flag, "not a Megatron-DeepSpeed flag: parse_args (allow_abbrev=False) stops with "
-                             "'unrecognized arguments'" + (f"; the real flag is {real}" if real else ""),
-                             f"use {real}" if real else "remove it"))
-    if launch.script and not (launch.script.rsplit("/", 1)[-1]).startswith("pretrain_"):
-        out.append(info(launch.script, "Megatron-DeepSpeed's GPT entry point is pretrain_gpt.py; memplan checks "
-                        "the flags against its megatron/arguments.py", "run pretrain_gpt.py"))
-    if launch.has("--deepspeed_config") and not launch.has("--deepspeed"):
-        out.append(warning("--deepspeed", "--deepspeed_config is given without --deepspeed: Megatron trains "
-                           "without DeepSpeed and ignores the config", "add --deepspeed"))
     return out
 
 
@@ -135,40 +102,63 @@ def parallel_rules(lay: Layout, zero_stage: int, megatron: bool, launch: Launch 
         out.append(error("--ds-sequence-parallel-size", f"sp={sp} with tp={tp}, pp={pp}: parallel_state."
                          "initialize_model_parallel asserts \"DeepSpeed's sequence parallel does not work with tensor "
                          "parallel or pipeline parallel\"", f"use tp=1 pp=1 sp={inner} (or sp=1)"))
-    uses_pipe_engine = megatron and pp > 1 and not (launch and launch.has("--no-pipeline-parallel"))
-    if zero_stage >= 2 and (uses_pipe_engine or (not megatron and pp > 1)):
+    no_pipe = megatron and launch is not None and launch.has("--no-pipeline-parallel")
+    if zero_stage >= 2 and pp > 1 and not no_pipe:
         out.append(error("zero_optimization.stage", f"ZeRO-{zero_stage} with pipeline parallelism (pp={pp}): "
                          "runtime/pipe/engine.py asserts \"ZeRO-2 and ZeRO-3 are incompatible with pipeline "
                          "parallelism\"", "use ZeRO stage 0/1 with pp, or pp=1"))
+    if megatron and launch is not None:
+        from .rules_megatron import pipe_engine_rules
+
+        out += pipe_engine_rules(launch, zero_stage, pp, sp)
     if world and inner > 1 and world // max(inner, 1) == 0:
         out.append(error("layout", f"tp·pp·sp = {inner} exceeds the world ({world})", "use fewer model-parallel ranks"))
     return out
 
 
-def model_shape_rules(m: ModelSpec, lay: Layout, seq: int | None) -> list[Finding]:
-    """Divisibility: hidden by heads, heads by tp and by sp, kv heads vs sp, seq by sp, layers by pp."""
+def model_shape_rules(m: ModelSpec, lay: Layout, seq: int | None, megatron: bool = False,
+                      launch: Launch | None = None) -> list[Finding]:
+    """Divisibility (hidden by heads, heads by tp and by sp, kv heads against sp, seq by sp, layers by pp) and the
+    position table, as the code that runs the job checks them: Megatron-DeepSpeed's for a pretrain_gpt.py line,
+    DeepSpeed's UlyssesSPAttentionHF and transformers' otherwise."""
     out, sp, tp = [], lay.sp_intended, lay.tp
-    if m.hidden_size % m.num_heads:
+    sp_flag = "--ds-sequence-parallel-size" if megatron else "sequence_parallel_size"
+    if m.hidden_size % m.num_heads and megatron:
         out.append(error("--hidden-size", f"hidden ({m.hidden_size}) is not divisible by heads ({m.num_heads}) "
                          "(validate_args asserts it)"))
     if m.num_heads % tp:
-        out.append(error("--tensor-model-parallel-size", f"heads ({m.num_heads}) not divisible by tp ({tp}) "
-                         "(megatron.core.utils.divide in ParallelAttention)"))
+        out.append(error("--tensor-model-parallel-size" if megatron else "tensor_parallel.autotp_size",
+                         f"heads ({m.num_heads}) not divisible by tp ({tp}) ("
+                         + ("megatron.core.utils.divide in ParallelAttention)" if megatron else
+                            "DeepSpeed AutoTP shards whole heads)")))
     if sp > 1 and m.num_heads % (sp * tp):
-        out.append(error("--ds-sequence-parallel-size", f"heads ({m.num_heads}) not divisible by tp·sp ({tp}·{sp}) "
-                         "(transformer.py asserts num_attention_heads % sp == 0; DistributedAttention splits heads)"))
-    if sp > 1 and (m.num_kv_heads < sp or m.num_kv_heads % sp):
-        out.append(error("--ds-sequence-parallel-size", f"kv heads ({m.num_kv_heads}) must be a multiple of sp ({sp}) "
-                         "for DeepSpeed Ulysses"))
+        out.append(error(sp_flag, f"heads ({m.num_heads}) not divisible by tp·sp ({tp}·{sp}) ("
+                         + ("transformer.py asserts num_attention_heads % sp == 0; DistributedAttention splits heads)"
+                            if megatron else "UlyssesSPAttentionHF raises: attention heads not divisible by SP)")))
+    kv = m.num_kv_heads
+    if sp > 1 and megatron and kv < sp:
+        out.append(error(sp_flag, f"kv heads ({kv}) < sp ({sp}): DeepSpeed's DistributedAttention asserts the kv "
+                         "heads are at least the sequence-parallel size (sequence/layer.py _resolve_kv_heads)"))
+    elif sp > 1 and not megatron and kv % sp and sp % kv:
+        out.append(error(sp_flag, f"kv heads ({kv}) and sp ({sp}): UlyssesSPAttentionHF (runtime/sequence_parallel/"
+                         "ulysses_sp.py) needs one to divide the other (kv heads split over the sp ranks, or "
+                         "replicated when sp is a multiple of them)"))
     if seq and sp > 1 and seq % sp:
-        out.append(error("--seq-length", f"seq ({seq}) not divisible by sp ({sp}) (pretrain_gpt.py get_batch asserts "
-                         "seq_length % seq_parallel_world_size == 0)"))
+        out.append(error("--seq-length" if megatron else "--seq", f"seq ({seq}) not divisible by sp ({sp}) ("
+                         + ("pretrain_gpt.py get_batch asserts seq_length % seq_parallel_world_size == 0)" if megatron
+                            else "UlyssesSPAttentionHF shards the sequence evenly)")))
     if lay.pp > 1 and m.num_layers % lay.pp:
-        out.append(warning("--num-layers", f"layers ({m.num_layers}) not divisible by pp ({lay.pp}): stages are "
-                           "uneven and the largest sets the memory"))
-    if seq and seq > m.max_position_embeddings:
-        out.append(error("--seq-length", f"seq ({seq}) > max_position_embeddings ({m.max_position_embeddings}) "
-                         "(validate_args asserts max_position_embeddings >= seq_length)"))
+        out.append(warning("--num-layers" if megatron else "pipeline", f"layers ({m.num_layers}) not divisible by "
+                           f"pp ({lay.pp}): stages are uneven and the largest sets the memory"))
+    if seq and not megatron and seq > m.max_position_embeddings:
+        if m.position_embedding == "learned":
+            out.append(error("--seq", f"seq ({seq}) > the learned position table of {m.family} "
+                             f"(max_position_embeddings {m.max_position_embeddings}): the embedding lookup indexes "
+                             "out of range (nn.Embedding)", f"--seq {m.max_position_embeddings} or less"))
+        else:
+            out.append(info("--seq", f"seq ({seq}) > max_position_embeddings ({m.max_position_embeddings}): {m.family} "
+                            f"has no position table ({m.position_embedding}), so it runs, beyond the context it was "
+                            "trained for (memory is estimated as usual)"))
     return out
 
 
@@ -199,69 +189,28 @@ def batch_rules(s: DsSettings, lay: Layout, launch: Launch | None, megatron: boo
         out.append(error("train_batch_size", f"{problem} (DeepSpeedConfig._batch_assertion; {why})",
                          "make train_batch_size = micro × accum × dp"))
         return out, None
+    if launch and megatron:
+        from .rules_megatron import megatron_batch_rules
+
+        return out + megatron_batch_rules(s, batch, launch, dp), batch
     if s.grad_accum is None:
         out.append(info("gradient_accumulation_steps", f"derived: {batch['train_batch_size']} // micro "
                         f"{batch['micro_batch']} // dp {dp} = {batch['grad_accum']} micro-steps per optimizer step"))
-    if launch and megatron:
-        mbs = launch.script_value("--micro-batch-size")
-        if mbs and _int(mbs, 0) != batch["micro_batch"]:
-            out.append(warning("--micro-batch-size", f"Megatron loads {mbs} sequences per micro-step but "
-                               f"DeepSpeed's train_micro_batch_size_per_gpu is {batch['micro_batch']}",
-                               "make them agree"))
-        gbs = _int(launch.script_value("--global-batch-size"), _int(mbs, 1) * dp)
-        if gbs != batch["train_batch_size"]:
-            out.append(warning("--global-batch-size", f"Megatron's global batch is {gbs} (validate_args: micro × dp "
-                               f"when not given) but DeepSpeed's train_batch_size is {batch['train_batch_size']}: "
-                               "the two count steps differently", f"--global-batch-size {batch['train_batch_size']}"))
     return out, batch
 
 
-def megatron_ds_rules(launch: Launch, s: DsSettings, m: ModelSpec | None) -> list[Finding]:
-    """How Megatron-DeepSpeed uses the DeepSpeed config it is given."""
-    out = []
-    if (s.zero_stage == 3) and _int(launch.script_value("--zero-stage"), 1) != 3:
-        out.append(error("--zero-stage", "the DeepSpeed config says ZeRO-3 but --zero-stage is not 3: pretrain_gpt.py "
-                         "model_provider builds the model under deepspeed.zero.Init(enabled=args.zero_stage == 3), so "
-                         "every rank first builds the whole model" + _whole_model(launch, m), "--zero-stage 3"))
-    if s.dtype in ("fp16", "bf16") and not launch.has(f"--{s.dtype}"):
-        out.append(warning(f"--{s.dtype}", f"the DeepSpeed config trains in {s.dtype} but the launch line lacks "
-                           f"--{s.dtype}: Megatron builds fp32 parameters (validate_args: params_dtype = float) "
-                           "and its masks/loss paths assume fp32", f"add --{s.dtype}"))
-    if s.offload_optimizer in ("cpu", "nvme") and s.optimizer is None and not launch.has("--cpu-optimizer"):
-        out.append(error("zero_optimization.offload_optimizer", "no optimizer section, so DeepSpeed gets Megatron's "
-                         "optimizer (apex FusedAdam, megatron/optimizer/__init__.py); with offload_optimizer, "
-                         "engine._configure_optimizer raises ZeRORuntimeException unless it is DeepSpeedCPUAdam",
-                         "add --cpu-optimizer, or an \"optimizer\" section, or zero_force_ds_cpu_optimizer: false"))
-    if not (launch.has("--checkpoint-activations") or launch.has("--recompute-granularity")
-            or launch.has("--recompute-activations")):
-        out.append(info("--checkpoint-activations", "no activation checkpointing flag: every layer keeps its "
-                        "activations for backward", "--checkpoint-activations (with --deepspeed-activation-"
-                        "checkpointing) recomputes them"))
-    if not any(launch.has(f) for f in ("--use-flash-attn-v2", "--use-flash-attn", "--use-flash-attn-v1",
-                                       "--use-flash-attn-triton", "--use-flash-attn-builder")):
-        out.append(warning("--use-flash-attn-v2", "no flash-attention flag: Megatron's CoreAttention materialises "
-                           "the [b, heads, s, s] score and softmax tensors, quadratic in seq (memplan estimates it "
-                           "as eager attention)", "--use-flash-attn-v2"))
-    return out
-
-
-def _whole_model(launch: Launch, m: ModelSpec | None) -> str:
-    if m is None:
-        return ""
-    from ..params import count_params
-    from ..units import GB
-
-    n = count_params(m).total_params
-    width = 2 if launch.has("--fp16") or launch.has("--bf16") else 4
-    return f" ({n / 1e9:.0f}B params × {width} bytes = {n * width / GB:,.0f} GB per rank before partitioning)"
-
-
 def model_config_rules(raw: dict | None, m: ModelSpec | None, launch: Launch | None, megatron: bool,
-                       lay: Layout) -> list[Finding]:
-    """The model config against transformers and the launch line."""
-    if raw is None or m is None:
+                       lay: Layout, seq: int | None = None) -> list[Finding]:
+    """The model config against transformers, and (Megatron-DeepSpeed) the model the launch line builds."""
+    if m is None:
         return []
     out = []
+    if megatron and launch is not None:
+        from .rules_megatron import model_rules
+
+        out += model_rules(launch, m, seq)
+    if raw is None:
+        return out
     if "model_type" not in raw:
         out.append(warning("model.model_type", "no model_type: transformers' AutoConfig.from_pretrained refuses "
                            f"the file; memplan read it as {m.family} from 'architectures'", "add \"model_type\""))
@@ -269,15 +218,6 @@ def model_config_rules(raw: dict | None, m: ModelSpec | None, launch: Launch | N
     for key in unknown:
         out.append(warning(f"model.{key}", f"{m.family}'s config class does not know '{key}': transformers keeps it as "
                            "a plain attribute and no model code reads it, so it does nothing", "remove it"))
-    if megatron and launch is not None:
-        out.append(info("--model", "Megatron-DeepSpeed never reads a config.json: the model is built from "
-                        "--num-layers/--hidden-size/--num-attention-heads/... on the launch line"))
-        for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-                            ("--num-attention-heads", m.num_heads),
-                            ("--max-position-embeddings", m.max_position_embeddings)):
-            got = launch.script_value(flag)
-            if got is not None and _int(got, -1) != value:
-                out.append(warning(flag, f"the launch line says {got}, the model config {value}; Megatron uses {got}"))
     sp_cfg = raw.get("sequence_parallel_size")
     if isinstance(sp_cfg, int) and sp_cfg != lay.sp_intended:
         out.append(warning("model.sequence_parallel_size", f"the model config says {sp_cfg}, the launch line "

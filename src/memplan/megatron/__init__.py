@@ -26,7 +26,7 @@ from .stage import StageActivations, backward_transient_per_token, stage_activat
 
 #: the Megatron-DeepSpeed commit the terms were read at (src/memplan/check/tables.json megatron_deepspeed)
 MEGATRON_DEEPSPEED_COMMIT = "f4157bea69f3df8c6cb66f2ebcda66ba03d1288e"
-#: the megatron-core version the harness measures (issue 17 names 0.19.2; the registry here serves 0.16.1)
+#: the megatron-core version the harness measures (0.19.2 was asked for; the registry here serves 0.16.1)
 MEGATRON_CORE_VERSION = "0.16.1"
 
 __all__ = ["MEGATRON_CORE_VERSION", "MEGATRON_DEEPSPEED_COMMIT", "StageActivations", "attention_path",

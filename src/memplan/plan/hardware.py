@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..nodes import NODES
 from ..units import GB
 
 TB = 10**12
@@ -41,18 +42,23 @@ NVME_BYTES_PER_S_PER_NODE = 12 * GB
 #: §4.2 and its CPU-Adam table) updates about 1e9 fp32 parameters per second on a two-socket server.
 CPU_ADAM_PARAMS_PER_S_PER_NODE = 1e9
 
-#: node figures memplan.gpus does not carry, by GPU preset name (memplan.gpus.GPU_PRESETS names)
-NODE_FIGURES: dict[str, dict] = {
-    # DGX A100 320GB: 8x ConnectX-6 HDR 200 Gb/s (one per GPU), 1 TB RAM, 15 TB NVMe data cache
-    "a100-40g": {"inter_node_bytes_per_s": 25 * GB, "host_ram_bytes_per_node": 1 * TB, "nvme_bytes_per_node": 15 * TB},
-    # DGX A100 640GB: same fabric, 2 TB RAM, 30 TB NVMe
-    "a100-80g": {"inter_node_bytes_per_s": 25 * GB, "host_ram_bytes_per_node": 2 * TB, "nvme_bytes_per_node": 30 * TB},
-    # DGX H100 / H200 / B200: 8x ConnectX-7 NDR 400 Gb/s, 2 TB RAM, 8x 3.84 TB NVMe
-    "h100-80g": {"inter_node_bytes_per_s": 50 * GB, "host_ram_bytes_per_node": 2 * TB, "nvme_bytes_per_node": 30 * TB},
-    "h200": {"inter_node_bytes_per_s": 50 * GB, "host_ram_bytes_per_node": 2 * TB, "nvme_bytes_per_node": 30 * TB},
-    "b200": {"inter_node_bytes_per_s": 50 * GB, "host_ram_bytes_per_node": 2 * TB, "nvme_bytes_per_node": 30 * TB},
+#: InfiniBand per GPU, by GPU preset name (memplan.gpus.GPU_PRESETS names); host RAM and NVMe per node are
+#: memplan.nodes' (the usual DGX node of each GPU)
+INTER_NODE_BYTES_PER_S: dict[str, float] = {
+    # DGX-1 (V100): 4x InfiniBand EDR 100 Gb/s for 8 GPUs
+    "v100-16g": 4 * 12.5 * GB / 8,
+    # DGX A100: 8x ConnectX-6 HDR 200 Gb/s (one per GPU)
+    "a100-40g": 25 * GB, "a100-80g": 25 * GB,
+    # DGX H100 / H200 / B200: 8x ConnectX-7 NDR 400 Gb/s
+    "h100-80g": 50 * GB, "h200": 50 * GB, "b200": 50 * GB,
 }
-_NODE_SOURCE = "NVIDIA DGX A100 / H100 / H200 / B200 system datasheets (network, system memory, internal NVMe)"
+#: node figures by GPU preset name: InfiniBand above, host RAM and NVMe from memplan.nodes
+NODE_FIGURES: dict[str, dict] = {
+    name: {"inter_node_bytes_per_s": ib, "host_ram_bytes_per_node": NODES[name].host_ram_bytes,
+           "nvme_bytes_per_node": NODES[name].nvme_bytes}
+    for name, ib in INTER_NODE_BYTES_PER_S.items()
+}
+_NODE_SOURCE = "NVIDIA DGX-1 / A100 / H100 / H200 / B200 system datasheets (network, system memory, internal NVMe)"
 
 DEFAULT_GPU = "a100-80g"
 

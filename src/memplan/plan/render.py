@@ -46,8 +46,12 @@ def assumptions(space: PlanSpace, notes: list[str], space_notes: tuple[str, ...]
     }
 
 
-def plan_dict(result: PlanResult, top: int, notes: list[str], user: dict | None = None) -> dict[str, Any]:
-    """The --json object: candidates (top N), closest misses, assumptions, counts, the user's config."""
+def plan_dict(result: PlanResult, top: int, notes: list[str], user: dict | None = None,
+              sources: tuple = ()) -> dict[str, Any]:
+    """The --json object: candidates (top N), closest misses, assumptions, counts, the user's config, and where
+    each fixed fact of the plan came from ("sources")."""
+    from ..sources import sources_json
+
     out = {
         "candidates": [candidate_dict(c) for c in result.shown(top)],
         "closest": [] if result.shown(top) else [candidate_dict(c) for c in result.closest[:top]],
@@ -57,34 +61,44 @@ def plan_dict(result: PlanResult, top: int, notes: list[str], user: dict | None 
         "feasible": result.feasible,
         "invalid": dict(result.invalid),
     }
+    out["sources"] = sources_json(sources)
     if user is not None:
         out["user_config"] = user
     return out
 
 
-def _size(n: int) -> str:
-    return "-" if n == 0 else (f"{n / 10**12:.2f} TB" if n >= 10**12 else f"{n / GB:.0f} GB")
+def _gib(n: int) -> str:
+    """Per-node needs in GiB (memplan's unit for what a job needs), "-" for none."""
+    return "-" if n == 0 else f"{n / 2**30:,.0f}"
 
 
 def _row(i: int, c: Candidate) -> list[str]:
     off = "/".join(x if x != "none" else "-" for x in (c.offload_optimizer, c.offload_param))
     return [
         str(i), str(c.zero), off, f"{c.tp}/{c.pp}/{c.sp}/{c.dp}", c.checkpointing,
-        " = ".join((c.attention, *c.same_as_attention)),
-        f"{c.micro_batch}×{c.grad_accum}", fmt_gib(c.peak_allocated_bytes, 1), fmt_gib(c.device_total_bytes, 1),
-        _size(c.host_bytes_per_node), _size(c.nvme_bytes_per_node), f"{c.step_time_s:,.1f}",
-        f"{c.tokens_per_s:,.0f}", c.binding if c.fits else "over " + ", ".join(c.misses),
+        "=".join((c.attention, *c.same_as_attention)), f"{c.micro_batch}×{c.grad_accum}",
+        f"{c.device_total_bytes / 2**30:,.1f}", _gib(c.host_bytes_per_node), _gib(c.nvme_bytes_per_node),
+        f"{c.step_time_s:,.1f}", f"{c.tokens_per_s:,.0f}", c.binding if c.fits else "over " + ", ".join(c.misses),
     ]
+
+
+#: column headings (GiB per GPU for the device total, GiB per node for host RAM and NVMe, LEGEND below the
+#: table): a row fits a 100-column terminal
+HEADS = ("#", "ZeRO", "offload", "tp/pp/sp/dp", "ckpt", "attention", "micro×acc", "GiB", "host", "NVMe", "step s",
+         "tokens/s", "binding")
+LEGEND = ("ZeRO stage; offload: optimizer/params; GiB: device total per GPU; host, NVMe: GiB per node; step s: "
+          "seconds per optimizer step")
+_RIGHT = ("#", "GiB", "host", "NVMe", "step s", "tokens/s")
 
 
 def _table(title: str, rows: list[Candidate]):
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
-    heads = ["#", "ZeRO", "offload opt/param", "tp/pp/sp/dp", "ckpt", "attention", "micro×accum", "peak alloc",
-             "device total", "host RAM/node", "NVMe/node", "step s", "tokens/s", "binding"]
-    for h in heads:
-        table.add_column(h, justify="right" if h in ("#", "step s", "tokens/s") else "left", overflow="fold")
+    table = Table(title=title, title_justify="left", caption=LEGEND, caption_justify="left", box=None,
+                  pad_edge=False, padding=(0, 1, 0, 0), header_style="bold underline")
+    for h in HEADS:
+        table.add_column(h, justify="right" if h in _RIGHT else "left", overflow="fold",
+                         no_wrap=h != "binding")
     for i, c in enumerate(rows, 1):
         table.add_row(*_row(i, c))
     return table
@@ -96,8 +110,8 @@ def _assumption_lines(space: PlanSpace, notes: list[str]) -> list[str]:
         (f"model {space.model.name}, seq {space.seq_len}, global batch {space.global_batch} sequences "
         f"({space.global_batch * space.seq_len:,} tokens/step), {space.world} GPUs ({space.gpus_per_node}/node), "
         f"{space.dtype}"),
-        (f"budgets: device total ≤ {fmt_gib(space.target_bytes)} per GPU; host RAM {_size(space.host_ram_bytes_per_node)}"
-        f" and NVMe {_size(space.nvme_bytes_per_node)} per node"),
+        (f"budgets: device total ≤ {fmt_gib(space.target_bytes)} per GPU; host RAM {_node(space.host_ram_bytes_per_node)}"
+        f" and NVMe {_node(space.nvme_bytes_per_node)} per node"),
         (f"speed: {hw.name} {hw.dense_flops / 1e12:.0f} TFLOP/s dense at {a.compute_efficiency:.0%}; NVLink "
         f"{hw.nvlink_bytes_per_s / GB:.0f} GB/s, InfiniBand {hw.inter_node_bytes_per_s / GB:.0f} GB/s per GPU at "
         f"{a.comm_efficiency:.0%}; PCIe {hw.pcie_bytes_per_s / GB:.0f} GB/s at {a.pcie_efficiency:.0%}; NVMe "
@@ -107,8 +121,17 @@ def _assumption_lines(space: PlanSpace, notes: list[str]) -> list[str]:
     ]
 
 
-def render(result: PlanResult, top: int, notes: list[str], console, user_lines: list[str] | None = None) -> None:
-    """Print the plan: the fitting rows (or the closest misses, said plainly), assumptions, counts."""
+def _node(n: int) -> str:
+    """A node budget: GiB, with the vendor's decimal figure beside it (a DGX's 2 TB)."""
+    from ..nodes import fmt_vendor_bytes
+
+    return "none" if n == 0 else f"{fmt_gib(n)} ({fmt_vendor_bytes(n)})"
+
+
+def render(result: PlanResult, top: int, notes: list[str], console, user_lines: list[str] | None = None,
+           sources: tuple = ()) -> None:
+    """Print the plan: the fitting rows (or the closest misses, said plainly), assumptions, counts, and where the
+    plan's fixed facts came from."""
     space = result.space
     if result.shown(top):
         console.print(_table(f"{result.feasible} of {result.searched} configurations pass the memory screen; the "
@@ -116,7 +139,7 @@ def render(result: PlanResult, top: int, notes: list[str], console, user_lines: 
                              "confirmed by the estimator", result.shown(top)))
     else:
         console.print(f"[bold red]No configuration fits[/] {fmt_gib(space.target_bytes)} per GPU with host RAM "
-                      f"{_size(space.host_ram_bytes_per_node)} and NVMe {_size(space.nvme_bytes_per_node)} per node "
+                      f"{_node(space.host_ram_bytes_per_node)} and NVMe {_node(space.nvme_bytes_per_node)} per node "
                       f"({result.searched} configurations searched). The closest:")
         console.print(_table("closest misses (by how far over budget)", list(result.closest[:top])))
     for line in user_lines or []:
@@ -125,3 +148,7 @@ def render(result: PlanResult, top: int, notes: list[str], console, user_lines: 
                   "dropped as invalid: " + (", ".join(f"{k} ({v})" for k, v in result.invalid.items()) or "none"))
     for line in _assumption_lines(space, [*notes, *result.notes]):
         console.print(f"[dim]assumption: {line}[/]")
+    from ..sources import source_lines
+
+    for line in source_lines(sources):
+        console.print(line, highlight=False, markup=False)

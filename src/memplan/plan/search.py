@@ -1,8 +1,8 @@
 """`search(space) -> PlanResult`: every valid configuration, its memory (the estimator's fast path) and its
 step time (perf.step_time); the feasible ones ranked by step time, the closest misses kept for the report.
 
-Speed: layouts and ZeRO sections are validated once and candidate Jobs are assembled with `model_construct`
-(the rules were already applied by space.*_problem). Pruning, in memory-saving order:
+Speed: layouts, ZeRO sections and attention implementations are validated once (one Job each, by the Job
+validator: space.job_problem) and candidate Jobs are assembled with `model_construct`. Pruning, in memory-saving order:
 - micro-batches ascend; once one misses the target, larger ones are skipped (activations only grow) — except
   the largest (fewest micro-steps), which is evaluated too: a single micro-step drops ZeRO-2's second
   gradient buffer, so memory need not grow all the way;
@@ -16,21 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
+from ..optimizers import optimizer_run
 from ..specs import Job, Layout, TrainingSpec, ZeroSpec
 from .perf import ModelCosts, StepTime, model_costs, step_time, tokens_per_step
-from .space import (
-    ATTENTION_ORDER,
-    CHECKPOINTING_ORDER,
-    OFFLOAD_ORDER,
-    PlanSpace,
-    attention_problem,
-    check_problem,
-    divisors,
-    layout_problem,
-    zero_problem,
-)
+from .space import ATTENTION_ORDER, CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanSpace, divisors, job_problem
 
 PeakFn = Callable[[Job], "object"]
 
@@ -119,6 +111,28 @@ def _replace(template, **changes):
     return out
 
 
+def _count(invalid: dict[str, int], problem: str) -> None:
+    invalid[problem] = invalid.get(problem, 0) + 1
+
+
+def _training(space: PlanSpace, pp: int, zero: ZeroSpec, attention: str = "sdpa") -> TrainingSpec:
+    """The training template of a combination (validated): DeepSpeed's optimizer for the offload, Megatron's GPT
+    as --emit writes it for a megatron plan (memplan.check.megatron_model.megatron_spec)."""
+    extra = {}
+    if space.model_impl == "megatron":
+        from ..check.megatron_model import megatron_spec
+
+        extra = {"model_impl": "megatron", "megatron": megatron_spec(space.model, pp)}
+    return TrainingSpec(seq_len=space.seq_len, dtype=space.dtype, zero=zero, attention=attention,
+                        optimizer=optimizer_run("adamw", zero.offload_optimizer), **extra)
+
+
+def _validated(space: PlanSpace, layout: Layout, zero: dict, attention: str = "sdpa") -> Job:
+    """The Job of a combination, validated in full (raises pydantic's ValidationError: space.job_problem)."""
+    return Job(model=space.model, training=_training(space, layout.pp, ZeroSpec(**zero), attention),
+               layout=Layout(**layout.__dict__))
+
+
 def _layouts(space: PlanSpace, invalid: dict[str, int]) -> Iterator[Layout]:
     max_tp, max_pp, max_sp = space.caps()
     for tp in divisors(space.world):
@@ -126,16 +140,15 @@ def _layouts(space: PlanSpace, invalid: dict[str, int]) -> Iterator[Layout]:
             for sp in divisors(space.world // (tp * pp)):
                 if tp > max_tp or pp > max_pp or sp > max_sp:
                     continue
-                problem = layout_problem(space.model, space.seq_len, tp, pp, sp) or check_problem(
-                    space.model, space.seq_len, space.world, tp, pp, sp)
-                dp = space.world // (tp * pp * sp)
-                if problem is None and space.global_batch % dp:
+                layout = Layout.model_construct(world=space.world, gpus_per_node=space.gpus_per_node, tp=tp, pp=pp,
+                                                sp=sp, tp_sequence_parallel=False)
+                problem = job_problem(partial(_validated, space, layout, {}))
+                if problem is None and space.global_batch % layout.dp:
                     problem = "global batch not divisible by dp"
                 if problem:
-                    invalid[problem] = invalid.get(problem, 0) + 1
+                    _count(invalid, problem)
                     continue
-                yield Layout.model_construct(world=space.world, gpus_per_node=space.gpus_per_node,
-                                             tp=tp, pp=pp, sp=sp)
+                yield layout
 
 
 def _combos(space: PlanSpace, invalid: dict[str, int]) -> Iterator[_Combo]:
@@ -144,15 +157,28 @@ def _combos(space: PlanSpace, invalid: dict[str, int]) -> Iterator[_Combo]:
         for stage in space.zero_stages:
             for oo in devices:
                 for op in devices:
-                    problem = zero_problem(stage, layout.pp, oo, op)
+                    # overlap_comm written out as DeepSpeed resolves it, as the emitted config says it
+                    zero = ZeroSpec.model_construct(stage=stage, offload_optimizer=oo, offload_param=op,
+                                                    overlap_comm=stage == 3)
+                    problem = job_problem(partial(_validated, space, layout, zero.__dict__))
                     if problem:
-                        invalid[problem] = invalid.get(problem, 0) + 1
+                        _count(invalid, problem)
                         continue
-                    zero = ZeroSpec.model_construct(stage=stage, offload_optimizer=oo, offload_param=op)
-                    training = TrainingSpec.model_construct(
-                        seq_len=space.seq_len, dtype=space.dtype, zero=zero,
-                        optimizer="cpu_adam" if oo != "none" else "adamw")  # DeepSpeedCPUAdam when offloaded
-                    yield _Combo(layout, training)
+                    yield _Combo(layout, _training(space, layout.pp, zero))
+
+
+def attentions(space: PlanSpace, combo: _Combo) -> list[str]:
+    """The attention implementations of the space the Job validator accepts for this combination (Megatron has
+    no sdpa path: its unfused CoreAttention is memplan's eager)."""
+    out = []
+    for a in ATTENTION_ORDER:
+        if a not in space.attention or (space.model_impl == "megatron" and a == "sdpa"):
+            continue
+        zero = combo.training.zero.__dict__
+        if job_problem(partial(_validated, space, combo.layout, zero, a)):
+            continue
+        out.append(a)
+    return out
 
 
 class _Evaluator:
@@ -164,6 +190,14 @@ class _Evaluator:
         training = TrainingSpec.model_construct(seq_len=space.seq_len, dtype=space.dtype)
         self.job_template = Job.model_construct(model=space.model, training=training, layout=Layout.model_construct())
         self.count = 0
+        self._attentions: dict[int, list[str]] = {}
+
+    def attentions(self, combo: _Combo) -> list[str]:
+        """attentions(space, combo), once per sp degree (what decides it besides the space's fixed facts)."""
+        key = combo.layout.sp
+        if key not in self._attentions:
+            self._attentions[key] = attentions(self.space, combo)
+        return self._attentions[key]
 
     def job(self, combo: _Combo, checkpointing: str, attention: str, micro: int) -> Job:
         accum = self.space.global_batch // (combo.layout.dp * micro)
@@ -250,7 +284,7 @@ def _search_combo(space: PlanSpace, combo: _Combo, evaluate: _Evaluator, prune: 
     micros = _micro_batches(space, combo.layout.dp)
     if not micros:
         return [], 0
-    attentions = [a for a in ATTENTION_ORDER if a in space.attention and not attention_problem(a, combo.layout.sp)]
+    attentions = evaluate.attentions(combo)
     ckpts = [c for c in CHECKPOINTING_ORDER if c in space.checkpointing]
     out: list[Candidate] = []
     skipped = 0
@@ -332,9 +366,9 @@ def _selective_modelled(evaluate: _Evaluator) -> bool:
     layout = Layout.model_construct(world=s.world, gpus_per_node=s.gpus_per_node)
     if s.global_batch % layout.dp:
         return True  # cannot probe; keep the user's choice
-    combo = _Combo(layout, TrainingSpec.model_construct(seq_len=s.seq_len, dtype=s.dtype,
-                                                        zero=ZeroSpec.model_construct(stage=3)))
-    peaks = [evaluate.peak_fn(evaluate.job(combo, ckpt, "sdpa", 1)) for ckpt in ("selective", "none")]
+    combo = _Combo(layout, _training(s, 1, ZeroSpec(stage=3)))
+    attention = "eager" if s.model_impl == "megatron" else "sdpa"
+    peaks = [evaluate.peak_fn(evaluate.job(combo, ckpt, attention, 1)) for ckpt in ("selective", "none")]
     return peaks[0].peak_allocated_bytes != peaks[1].peak_allocated_bytes
 
 

@@ -1,18 +1,20 @@
-"""The search space of `memplan plan`: what may vary, and which combinations are valid layouts.
+"""The search space of `memplan plan`: what may vary, and which combinations are valid.
 
-The rules here mirror the Job validators in memplan.specs (and DeepSpeed's own assertions, cited there) so
-that candidates can be built with `model_construct` without re-validating each one; tests check that
-`layout_problem` agrees with the Job validator, and with `memplan check`'s rules (memplan.check.rules_job),
-which `check_problem` applies once per layout on top (model-level rules such as seq ≤ max_position_embeddings).
+One rule set: a combination is valid when the Job validator (memplan.specs, which cites DeepSpeed's own
+assertions) accepts it, as `memplan estimate` would. `job_problem` validates one Job per layout and ZeRO section
+(and per attention implementation), so that the search can build its candidates with `model_construct`
+without re-validating each; tests check that `memplan check`'s rules (memplan.check.rules_job, `check_problem`)
+agree with it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..specs import Attention, Checkpointing, ModelSpec, OffloadDevice, TrainDtype
+from ..specs import Attention, Checkpointing, ModelImpl, ModelSpec, OffloadDevice, TrainDtype
 from .hardware import Hardware
 from .perf import PerfAssumptions
 
@@ -23,7 +25,7 @@ DEFAULT_GLOBAL_TOKENS = 2**22
 DEFAULT_MAX_MICRO_BATCH = 64
 #: the default target keeps this share of the GPU free, and at least MIN_SAFETY_BYTES: what the estimate
 #: cannot see or may miss — allocator fragmentation beyond the modelled reserve, NCCL buffers that grow with
-#: more communicators, and the estimator's 5% worst-case error (issue 2's accuracy bar).
+#: more communicators, and the estimator's 5% worst-case error (the accuracy bar in tests/test_accuracy.py).
 SAFETY_FRACTION = 0.05
 MIN_SAFETY_BYTES = 2 * 2**30
 
@@ -59,6 +61,8 @@ class PlanSpace(BaseModel):
     host_ram_bytes_per_node: int = Field(gt=0)
     nvme_bytes_per_node: int = Field(ge=0)
     dtype: TrainDtype = "bf16"
+    model_impl: ModelImpl = Field("transformers", description="the code that builds the model (megatron: "
+                                  "Megatron-DeepSpeed's GPT, as --emit writes it)")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     offload_devices: tuple[OffloadDevice, ...] = OFFLOAD_ORDER
     max_tp: int = Field(0, ge=0, description="0: up to the world size")
@@ -90,21 +94,30 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def layout_problem(m: ModelSpec, seq_len: int, tp: int, pp: int, sp: int) -> str | None:
-    """Why (tp, pp, sp) is not a valid layout for ``m`` (the Job validator's rules), or None."""
-    if sp > 1 and (tp > 1 or pp > 1):
-        return "Ulysses sp does not combine with tp or pp in DeepSpeed"
-    if sp > 1 and seq_len % sp:
-        return "seq not divisible by sp"
-    if m.num_heads % (tp * sp):
-        return "heads not divisible by tp·sp"
-    if sp > 1 and (m.num_kv_heads < sp or m.num_kv_heads % sp):
-        return "kv heads not a multiple of sp"
-    if tp > 1 and m.num_kv_heads % tp:
-        return "kv heads not divisible by tp"
-    if pp > 1 and m.num_layers < pp:
-        return "fewer layers than pp"
+def reason(err: ValidationError) -> str:
+    """A validator's message as a short reason (the parenthesised values and citations dropped): the key of
+    PlanResult.invalid."""
+    msg = str(err.errors()[0].get("msg", "invalid")).removeprefix("Value error, ")
+    msg = re.sub(r"\s*\([^()]*\)", "", msg.split(";")[0])
+    return re.sub(r"\s+", " ", msg).strip(" :")
+
+
+def job_problem(build: Callable[[], object]) -> str | None:
+    """Why the Job ``build()`` makes is refused by the Job validator (the one rule set), or None."""
+    try:
+        build()
+    except ValidationError as err:
+        return reason(err)
     return None
+
+
+def layout_problem(m: ModelSpec, seq_len: int, tp: int, pp: int, sp: int, dtype: str = "bf16",
+                   model_impl: str = "transformers") -> str | None:
+    """Why (tp, pp, sp) is not a valid layout for ``m`` (the Job validator's answer), or None."""
+    from ..specs import Job, Layout, TrainingSpec
+
+    return job_problem(lambda: Job(model=m, training=TrainingSpec(seq_len=seq_len, dtype=dtype, model_impl=model_impl),
+                                   layout=Layout(world=tp * pp * sp, tp=tp, pp=pp, sp=sp)))
 
 
 def check_problem(m: ModelSpec, seq_len: int, world: int, tp: int, pp: int, sp: int) -> str | None:
@@ -120,21 +133,3 @@ def check_problem(m: ModelSpec, seq_len: int, world: int, tp: int, pp: int, sp: 
     findings = parallel_rules(lay, 0, False, None) + model_shape_rules(m, lay, seq_len)
     errors = [f for f in findings if f.severity == "error"]
     return re.sub(r"\s*\([^()]*\)$", "", errors[0].message) if errors else None  # without the citation
-
-
-def zero_problem(stage: int, pp: int, offload_optimizer: str, offload_param: str) -> str | None:
-    """Why a ZeRO stage / offload combination is refused (ZeroSpec and Job validators), or None."""
-    if pp > 1 and stage >= 2:
-        return "ZeRO-2/3 with pp (runtime/pipe/engine.py)"
-    if offload_param != "none" and stage != 3:
-        return "offload_param below ZeRO-3"
-    if offload_optimizer != "none" and stage == 0:
-        return "offload_optimizer at ZeRO-0"
-    return None
-
-
-def attention_problem(attention: str, sp: int) -> str | None:
-    """DeepSpeed's Ulysses path for transformers (UlyssesSPAttentionHF) refuses eager attention."""
-    if sp > 1 and attention == "eager":
-        return "eager attention with Ulysses sp"
-    return None

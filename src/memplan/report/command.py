@@ -19,7 +19,6 @@ import argparse
 import re
 import shlex
 import sys
-from pathlib import Path
 
 from ..errors import InputError, shorten
 
@@ -29,12 +28,11 @@ JOB_DESTS = ("model", "seq", "micro_batch", "grad_accum", "gpus", "gpus_per_node
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `memplan report` (issue 6): estimate's job flags, --gpu/--target, and the output."""
-    from ..options import add_job_arguments
+    """The flags of `memplan report`: estimate's job flags, --gpu/--target, and the output."""
+    from ..options import add_budget_arguments, add_job_arguments
 
     add_job_arguments(parser)
-    parser.add_argument("--gpu", metavar="NAME|SIZE", help="a100-40g, a100-80g, h100-80g, h200, b200, or a size")
-    parser.add_argument("--target", metavar="SIZE", help="per-GPU budget drawn on the plots, e.g. 24GiB")
+    add_budget_arguments(parser, ("--gpu", "--target"), {"--target": "per-GPU budget drawn on the plots, e.g. 24GiB"})
     o = parser.add_argument_group("report")
     o.add_argument("--out", metavar="DIR", default="report", help="output folder (report)")
     o.add_argument("--name", metavar="NAME", help="file stem (default: from the job)")
@@ -77,27 +75,30 @@ def _parses(line: str) -> bool:
 
 def default_stem(job) -> str:
     """A file stem from the job: model, seq, gpus (characters outside [A-Za-z0-9._-] become '-')."""
-    name = job.model.name
-    name = Path(name).stem if name.endswith(".json") else name
+    from ..presets import model_label
+
+    name = model_label(job.model.name)
     model = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
     return f"{model[:60]}-seq{job.training.seq_len}-{job.layout.world}gpu"
 
 
-def _job_estimate(args: argparse.Namespace, row: dict | None):
+def job_estimate(job, budget):
+    """The estimate the report draws: ``job`` against the budget's target and GPU (memplan.budget.Budget)."""
     from ..api import estimate
-    from ..cli import _target_bytes
-    from ..options import job_from_args
+
+    return estimate(job, target_bytes=budget.target_bytes, gpu_name=budget.gpu_name, gpu_bytes=budget.gpu_bytes)
+
+
+def _resolved(args: argparse.Namespace, row: dict | None):
+    """(Job, its sources, the GPU the defaults assumed): the verify row's job when no job flag is given."""
+    from ..options import request_of
+    from ..resolve import resolve_job
     from .series import job_of_row
 
-    explicit = any(getattr(args, d, None) is not None for d in JOB_DESTS)
-    job = job_of_row(row) if row is not None and not explicit else job_from_args(args)
-    gpu = None
-    if args.gpu is not None:
-        from ..gpus import resolve_gpu
-
-        gpu = resolve_gpu(args.gpu)
-    return estimate(job, target_bytes=_target_bytes(args.target), gpu_name=gpu and gpu.name,
-                    gpu_bytes=gpu and gpu.memory_bytes)
+    if row is not None and not any(getattr(args, d, None) is not None for d in JOB_DESTS):
+        return job_of_row(row), (), None
+    resolved = resolve_job(request_of(args))
+    return resolved.job, resolved.sources, resolved.gpu
 
 
 def write_estimate_report(est, out: str, flag: str = "--report") -> None:
@@ -134,9 +135,13 @@ def run(args: argparse.Namespace) -> int:
         from .series import measured_of
 
         measured = measured_of(row) if row is not None else None
-        est = _job_estimate(args, row)
+        from ..budget import resolve_budget
+        from ..options import budget_request_of
+
+        job, sources, gpu = _resolved(args, row)
+        est = job_estimate(job, resolve_budget(budget_request_of(args), gpu))
         stem = args.name or default_stem(est.job)
-        title, blocks = job_page(est, stem, command, measured)
+        title, blocks = job_page(est, stem, command, measured, sources)
     written = write_atomically(args.out, page_files(stem, title, blocks))
     pages = [str(p) for p in written if p.suffix in (".md", ".html")]
     sys.stdout.write(f"wrote {', '.join(pages)} and {len(written) - len(pages)} figure files\n")

@@ -106,11 +106,17 @@ def job_sections(est: Estimate, folder: str, measured: Measured | None = None, l
     return blocks
 
 
-def job_page(est: Estimate, stem: str, command: str, measured: Measured | None = None) -> tuple[str, list[Block]]:
-    """(title, blocks) of the report for one job."""
+def job_page(est: Estimate, stem: str, command: str, measured: Measured | None = None,
+             sources: tuple = ()) -> tuple[str, list[Block]]:
+    """(title, blocks) of the report for one job; ``sources`` (memplan.resolve.Source): where each value of the
+    job came from, listed for the values that were not flags."""
     from .. import __version__
 
     title = f"memplan report: {est.job.model.name}, seq {est.job.training.seq_len}, {est.job.layout.world} GPUs"
     blocks: list[Block] = [Heading(title, 1), Para(f"Regenerate: `{command}` (memplan {__version__})."),
                            Para(f"Job: {job_title(est)}.")]
+    if sources:
+        from ..sources import source_lines
+
+        blocks.append(Bullets(tuple(source_lines(sources))))
     return title, blocks + job_sections(est, stem, measured)

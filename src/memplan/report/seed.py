@@ -15,12 +15,11 @@ from . import claims, plots
 from .doc import Block, Bullets, Code, Figure, Heading, Para, Table
 from .page import gb, gib, job_sections, verdict
 from .seed_data import (
-    CHECK_ARGV,
-    PLAN_ARGV,
+    CHECK_COMMAND,
+    PLAN_COMMAND,
     TARGET_BYTES,
     VERIFY_ROW,
     VERIFY_SOURCE,
-    CheckResult,
     Evidence,
     estimate_on_a100,
     load_evidence,
@@ -42,11 +41,14 @@ def _variant_rows(named: list[tuple[str, Estimate]]) -> Table:
                   "vs A100-80GB"), rows, align_right=(1, 2, 3, 4))
 
 
-def section_a(check: CheckResult, sp8: Estimate, sp8_full: Estimate) -> list[Block]:
+def section_a(check, sp8: Estimate, sp8_full: Estimate) -> list[Block]:
     errors = [f for f in check.findings if f.severity == "error"]
     warnings = [f for f in check.findings if f.severity == "warning"]
-    impl = ("Megatron-DeepSpeed's GPT under GPTModelPipe, CoreAttention" if check.estimate and
-            check.estimate.job.training.model_impl == "megatron" else "eager attention")
+    t = check.estimate.job.training if check.estimate else None
+    impl = "eager attention"
+    if t is not None and t.model_impl == "megatron":
+        impl = ("Megatron-DeepSpeed's GPT under GPTModelPipe, CoreAttention" if t.megatron.pipeline_engine else
+                "Megatron-DeepSpeed's GPTModel, CoreAttention")
     named = [((f"memplan check's verdict ({check.estimate_of}, as launched: {impl}, grad_accum "
               f"{check.estimate.job.training.grad_accum}; section (e))"), estimate_on_a100(check.estimate.job))
              ] if check.estimate else []
@@ -54,7 +56,7 @@ def section_a(check: CheckResult, sp8: Estimate, sp8_full: Estimate) -> list[Blo
                "8 GPUs, sdpa"), sp8), ("the same with full activation checkpointing", sp8_full)]
     return [
         Heading("(a) The article's configuration as written", 2),
-        Para("`memplan check " + " ".join(CHECK_ARGV) + "` (run as a library call): "
+        Para(f"`{CHECK_COMMAND}` (run as a library call): "
              f"**{len(errors)} errors, {len(warnings)} warnings: the launch as written is refused.** Why:"),
         Table(("severity", "what", "why"), tuple((f.severity, f"`{f.subject}`", f.message)
                                                  for f in errors + warnings)),
@@ -70,11 +72,18 @@ def section_a(check: CheckResult, sp8: Estimate, sp8_full: Estimate) -> list[Blo
 
 
 def _layout_problems(model, seq: int) -> dict[str, str]:
-    from ..plan.space import check_problem, zero_problem
+    from ..plan.space import check_problem, job_problem
+    from ..specs import Job, Layout, TrainingSpec, ZeroSpec
+
+    def zero3_offload(tp: int, pp: int, sp: int) -> Job:  # the article's ZeRO-3 with the optimizer on the CPU
+        zero = ZeroSpec(stage=3, offload_optimizer="cpu")
+        return Job(model=model, training=TrainingSpec(seq_len=seq, dtype="fp16", optimizer="cpu_adam", zero=zero),
+                   layout=Layout(world=8, tp=tp, pp=pp, sp=sp))
 
     out = {}
     for tp, pp, sp in ((2, 2, 2), (1, 2, 4)):
-        why = [w for w in (check_problem(model, seq, 8, tp, pp, sp), zero_problem(3, pp, "cpu", "none")) if w]
+        zero_why = job_problem(lambda tp=tp, pp=pp, sp=sp: zero3_offload(tp, pp, sp))  # the Job validator's rules
+        why = [w for w in (check_problem(model, seq, 8, tp, pp, sp), zero_why) if w]
         out[f"TP={tp}, PP={pp}, SP={sp}"] = "; ".join(why) or "valid"
     return out
 
@@ -130,7 +139,7 @@ def section_c(plans: dict) -> list[Block]:
                         f"configurations fit, of {result.searched} searched)" if result.candidates else
                         "**None fits**; the closest misses")
         blocks += [Heading(f"{dtype}" + (" (the article's dtype)" if dtype == "fp16" else " (plan's default dtype)"), 3),
-                   Para(f"`memplan plan {' '.join(PLAN_ARGV)} --dtype {dtype}` (library call): {verdict_line}, "
+                   Para(f"`{PLAN_COMMAND} --dtype {dtype}` (library call): {verdict_line}, "
                         "ranked by the estimated step time of a 4Mi-token global batch:"),
                    _plan_table(result)]
     space = result.space

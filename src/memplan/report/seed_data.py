@@ -5,7 +5,6 @@ Paths are relative to the repository root (the seed's files and the committed ve
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,53 +16,33 @@ SEED_DIR = Path("examples/seed-176b")
 #: the committed verify report the evidence rests on (a verbatim copy of a benchmarks/accuracy row)
 VERIFY_ROW = Path("reports/verify/seed176b-z3-offopt-fp16-s4k-w8-layers1.json")
 VERIFY_SOURCE = Path("benchmarks/accuracy/rows-h200-1.jsonl")
-CHECK_ARGV = ["--ds-config", str(SEED_DIR / "ds_config_ulysses.json"), "--launch-file", str(SEED_DIR / "launch.sh"),
-              "--model", str(SEED_DIR / "176b_config.json"), "--gpus", "8", "--target", "24GiB", "--json"]
-PLAN_ARGV = ["--model", "176b", "--seq", "32768", "--gpus", "8", "--gpu", "a100-80g", "--target", "24GiB"]
 TARGET_BYTES = 24 * 2**30
 A100 = "a100-80g"
+#: the commands the library calls below stand for, as the page shows them (never parsed: the calls are typed)
+CHECK_COMMAND = (f"memplan check --ds-config {SEED_DIR / 'ds_config_ulysses.json'} --launch-file {SEED_DIR / 'launch.sh'} "
+                 f"--model {SEED_DIR / '176b_config.json'} --gpus 8 --target 24GiB --json")
+PLAN_COMMAND = "memplan plan --model 176b --seq 32768 --gpus 8 --gpu a100-80g --target 24GiB"
 
 
-def _parse(add_arguments, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="memplan")
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    findings: tuple  # memplan.check.findings.Finding, sorted by severity
-    estimate: Estimate | None
-    estimate_of: str
-
-
-def run_check() -> CheckResult:
-    """`memplan check` on the seed's files, as a library call (what `run` does, without printing)."""
-    from ..check.command import add_arguments, collect, estimate_for
-    from ..check.findings import sort_findings
+def run_check():
+    """`memplan check` on the seed's files, as a library call (memplan.check.command.check): a CheckResult."""
+    from ..budget import BudgetRequest
+    from ..check.command import CheckRequest, check
     from ..check.launch import parse_launch, read_launch_file
-    from ..dsconfig import load_ds_config
-    from ..presets import load_model
 
-    args = _parse(add_arguments, CHECK_ARGV)
-    from ..inputs import read_json_object
-
-    cfg = load_ds_config(args.ds_config)
-    launch = parse_launch(read_launch_file(args.launch_file), "--launch-file")
-    model = load_model(args.model)
-    raw = read_json_object(args.model, "--model", "json", "config.json")
-    findings, ctx = collect(cfg, launch, model, raw, args.gpus, args.seq)
-    est, label, more = estimate_for(ctx, model, args)
-    return CheckResult(tuple(sort_findings(findings + more)), est, label)
+    launch = parse_launch(read_launch_file(str(SEED_DIR / "launch.sh")), "--launch-file")
+    return check(CheckRequest(ds_config=str(SEED_DIR / "ds_config_ulysses.json"), launch=launch,
+                              model=str(SEED_DIR / "176b_config.json"), gpus=8,
+                              budget=BudgetRequest(target_bytes=TARGET_BYTES)))
 
 
 def seed_job(**changes) -> Job:
-    """The nearest valid variant of the launch: bare `memplan estimate` (ZeRO-3, sp 8, fp16, offload optimizer
-    cpu, micro-batch 1, seq 32768, 8 GPUs, sdpa), with training ``changes``."""
-    from ..options import add_job_arguments, job_from_args
+    """The nearest valid variant of the launch: the article's job as memplan.resolve resolves it with no flags
+    (ZeRO-3, sp 8, fp16, offload optimizer cpu, micro-batch 1, seq 32768, 8 GPUs, sdpa), with training ``changes``."""
+    from ..resolve import JobRequest, resolve_job
     from .series import variant
 
-    job = job_from_args(_parse(add_job_arguments, []))
+    job = resolve_job(JobRequest()).job
     out = variant(job, training=changes) if changes else job
     if out is None:
         raise InputError("--seed", f"the seed's job refuses {changes}")
@@ -79,12 +58,15 @@ def estimate_on_a100(job: Job) -> Estimate:
 
 
 def run_plan(dtype: str = "bf16"):
-    """`memplan plan` for the seed (library call): (PlanResult, the assumptions' notes)."""
-    from ..plan.command import add_arguments, space_from_args
+    """`memplan plan` for the seed (library call: memplan.plan.request.plan_space, search): (PlanResult, notes)."""
+    from ..budget import BudgetRequest
+    from ..plan.request import PlanRequest, plan_space
     from ..plan.search import search
+    from ..resolve import JobRequest
 
-    args = _parse(add_arguments, PLAN_ARGV + ["--dtype", dtype])
-    space, notes = space_from_args(args)
+    req = PlanRequest(job=JobRequest(model="176b", seq=32768, gpus=8, dtype=dtype),
+                      budget=BudgetRequest(gpu=A100, target_bytes=TARGET_BYTES))
+    space, notes, _ = plan_space(req)
     return search(space), notes
 
 

@@ -24,7 +24,7 @@ from ..units import MAX_SIZE_BYTES
 #: Ulysses degrees a report compares (DeepSpeed-Ulysses, Jacobs et al. 2023, splits the sequence over sp ranks)
 SP_DEGREES = (1, 2, 4, 8)
 #: (ZeRO stage, offload_optimizer, offload_param) choices compared: offload_optimizer needs stage >= 1 and
-#: offload_param stage 3 (the ZeroSpec validators; memplan.plan.space.zero_problem applies the same rules)
+#: offload_param stage 3 (the ZeroSpec validators; memplan.plan.space.job_problem applies them through the Job validator)
 ZERO_CHOICES = (
     (0, "none", "none"), (1, "none", "none"), (1, "cpu", "none"), (2, "none", "none"), (2, "cpu", "none"),
     (2, "nvme", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "nvme", "none"), (3, "cpu", "cpu"),
@@ -98,12 +98,10 @@ def zero_sweep(job: Job) -> list[Point]:
     """The job under every ZeRO stage / offload choice; the optimizer becomes DeepSpeedCPUAdam under optimizer
     offload (DeepSpeed requires it, engine._configure_optimizer) and AdamW otherwise."""
     out = []
+    from ..optimizers import optimizer_run
+
     for stage, oo, op in ZERO_CHOICES:
-        optimizer = job.training.optimizer
-        if oo != "none":
-            optimizer = "cpu_adam"
-        elif optimizer == "cpu_adam":
-            optimizer = "adamw"
+        optimizer = optimizer_run("adamw" if job.training.optimizer == "cpu_adam" else job.training.optimizer, oo)
         v = variant(job, training={"optimizer": optimizer},
                     zero={"stage": stage, "offload_optimizer": oo, "offload_param": op})
         if v is not None:

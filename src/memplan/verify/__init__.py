@@ -1,6 +1,7 @@
 """`memplan verify`: measure a Job on a GPU, the definition of what memplan predicts.
 
-Measurement protocol (issue 3; "What peak means" in issue 2). One process per job (per depth, per rank):
+Measurement protocol (what "peak" means: torch.cuda.max_memory_allocated over the first steps). One process
+per job (per depth, per rank):
 
 1. Ranks. Emulated (default): rank 0 of an N-rank job on one GPU through torch's fake process group
    (FakeStore, ``dist.init_process_group("fake")``, RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set, then

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import InputError
-from ..options import add_job_arguments, job_from_args, positive_int
+from ..options import add_job_arguments, positive_int, request_of
 
 DEFAULT_OUT = "reports/verify"
 
@@ -48,34 +48,72 @@ def job_and_options(args: argparse.Namespace):
     if args.name is not None:
         check_name(args.name, "--name")
     check_folder(args.out, "--out")
-    job = job_from_args(args)
-    if args.layers is not None and not 1 <= args.layers <= job.model.num_layers // 2:
-        raise InputError("--layers", f"{args.layers} must be between 1 and half the model's depth "
-                                     f"({job.model.num_layers} layers)")
-    from ..hf.job import verify_task
-    from ..options import trainer_job_of
+    resolved = resolve(args)
+    return resolved.job, options_of(args, resolved)
 
-    hf = verify_task(trainer_job_of(args, num_training_steps=args.steps),
-                     "--training-args" if getattr(args, "training_args", None) else "TrainingArguments",
-                     job.training.loop)
-    return job, {"name": args.name, "steps": args.steps, "layers": args.layers, "launch": args.launch, "device": args.device,
-                     "timeout_s": float(args.timeout), "out_dir": args.out, "hf": hf,
-                     "trace": args.trace}
+
+def resolve(args: argparse.Namespace):
+    """The resolved job (memplan.resolve) of the flags, --layers checked against its depth."""
+    from ..resolve import resolve_job
+
+    resolved = resolve_job(request_of(args), num_training_steps=args.steps)
+    depth = resolved.job.model.num_layers
+    if args.layers is not None and not 1 <= args.layers <= depth // 2:
+        raise InputError("--layers", f"{args.layers} must be between 1 and half the model's depth ({depth} layers)")
+    return resolved
+
+
+def options_of(args: argparse.Namespace, resolved) -> dict:
+    """runner.measure_job's keyword arguments for the flags (the Trainer's inputs under --loop hf-trainer)."""
+    from ..hf.job import verify_task
+
+    hf = verify_task(resolved.trainer, "--training-args" if getattr(args, "training_args", None) else
+                     "TrainingArguments", resolved.job.training.loop)
+    return {"name": args.name, "steps": args.steps, "layers": args.layers, "launch": args.launch,
+            "device": args.device, "timeout_s": float(args.timeout), "out_dir": args.out, "hf": hf, "trace": args.trace}
+
+
+def cuda_problem() -> str | None:
+    """Why --device cuda cannot run here (torch missing, or no CUDA device), or None."""
+    try:
+        import torch
+    except ImportError:
+        return "needs torch (pip install -e '.[verify]'); --device cpu runs a smoke test"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu runs a smoke test"
+    return None
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Measure the job the flags describe, write the report, print the table. Returns the exit code; bad input
-    raises InputError (memplan.cli prints it as one line, exit 2)."""
-    job, opts = job_and_options(args)
+    raises InputError (memplan.cli prints it as one line, exit 2); --device cuda without a CUDA GPU too."""
+    from ..outputs import check_folder, check_name
+    from ..sources import source_lines, sources_json
+    from .progress import Progress
+
+    if args.name is not None:
+        check_name(args.name, "--name")
+    check_folder(args.out, "--out")
+    resolved = resolve(args)
+    job, opts = resolved.job, options_of(args, resolved)
+    if args.device == "cuda":
+        problem = cuda_problem()
+        if problem:
+            raise InputError("--device cuda", problem)
     from . import report, runner
 
     command = ["memplan", *sys.argv[1:]] if argv is None else ["memplan", "verify", *argv]
-    row = runner.measure_job(job, command=command, **opts)
+    name = opts["name"] or runner.default_name(job)
+    with Progress(name, job, opts):
+        row = runner.measure_job(job, command=command, **{**opts, "name": name})
+    row["sources"] = sources_json(resolved.sources)
     json_path, md_path = report.write_report(row, args.out)
     if args.json:
         print(json.dumps(row, default=str))
     else:
         report.render(row)
+        for line in source_lines(resolved.sources):
+            print(line)
         print(f"report: {json_path} and {md_path}")
     return 0 if row["status"] == "ok" else 1
 

@@ -32,7 +32,9 @@ CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 def default_name(job: Job) -> str:
     """A file-safe name for a job: model, seq, micro-batch, ZeRO, world, sp and what differs from defaults."""
     t, lay = job.training, job.layout
-    parts = [Path(job.model.name).stem, f"seq{t.seq_len}", f"mb{t.micro_batch}", f"z{t.zero.stage}", f"g{lay.world}"]
+    from ..presets import model_label
+
+    parts = [model_label(job.model.name), f"seq{t.seq_len}", f"mb{t.micro_batch}", f"z{t.zero.stage}", f"g{lay.world}"]
     if lay.sp > 1:
         parts.append(f"sp{lay.sp}")
     if t.grad_accum > 1:

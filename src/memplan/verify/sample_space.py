@@ -56,7 +56,7 @@ LORA_PER_ROUND = 4
 LORA_DESIGNS = ((0, "none"), (2, "full"), (3, "full"), (3, "none"), (2, "none"), (0, "full"), (3, "full"),
                 (2, "full"))
 LORA_RANKS = (8, 16, 32, 64)
-#: the regimes where independently written jobs disagree most with the estimate (issue 13), per round
+#: the regimes where independently written jobs disagree most with the estimate, per round
 REGIMES_PER_ROUND = {"wide_z3": 2, "ulysses_long": 3, "moe_z3": 2, "tp_real": 1, "pp": 1, "z3_small_knobs": 2,
                      "fp16_scaler": 2}
 #: regimes that need a line of their own DeepSpeed JSON or a layout the Trainer loop does not run
@@ -204,7 +204,7 @@ def _round(seed: int, r: int, fams: tuple[str, ...]) -> list[Slot]:
     reserved: list[str | None] = list(fams[:n]) + [None] * (n - min(n, len(fams)))
     rng.shuffle(reserved)
     lora: dict[int, LoraDesign] = {}
-    trainer_lora = False  # one LoRA line a round runs the Trainer loop (issue 14: TRL / Trainer with peft)
+    trainer_lora = False  # one LoRA line a round runs the Trainer loop (TRL / Trainer with peft)
     for j in range(LORA_PER_ROUND):
         design = _lora_design(r * LORA_PER_ROUND + j)
         on_hf = design.stage in HF_TEMPLATES and not trainer_lora
