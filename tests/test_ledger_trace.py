@@ -2,34 +2,51 @@
 
 For each tiny model, one micro-step (forward, loss, backward, parameter grads kept as .grad) is recorded with
 torch's profiler (memplan.verify.cputrace) and compared, event by event, with the allocations and frees the
-estimator's autograd model issues (memplan.estimator.model_check). CUDA kernels' internal temporaries and
-CPU-only scalars are left out on both sides; everything else must match exactly: sizes, order, and which
-tensor each free releases.
+estimator's autograd model issues (memplan.estimator.model_check) with the CPU's attention kernels. CUDA
+kernels' internal temporaries and CPU-only scalars are left out on both sides; everything else must match
+exactly: sizes, order, and which allocation each free releases.
 """
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from memplan.estimator import model_check
 from memplan.verify import cputrace
 
+#: (TINY config, batch, seq, dtype, attn_implementation)
 CASES = [
-    ("llama", 1, 128),
-    ("llama", 2, 64),
+    ("llama", 1, 128, "bf16", "sdpa"),
+    ("llama", 2, 64, "bf16", "sdpa"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa"),
+    ("llama_gqa", 2, 32, "fp32", "sdpa"),
+    ("llama_gqa", 1, 32, "fp16", "sdpa"),
+    ("llama_mha", 2, 32, "bf16", "sdpa"),
+    ("llama_head_dim_20", 2, 32, "bf16", "sdpa"),
+    ("llama_attention_bias", 2, 32, "bf16", "sdpa"),
+    ("llama_mlp_bias", 2, 32, "bf16", "sdpa"),
+    ("llama_tied", 2, 32, "bf16", "sdpa"),
 ]
 
 
-@pytest.mark.parametrize(("family", "batch", "seq"), CASES)
-def test_micro_step_matches_cpu_trace(family, batch, seq):
-    cfg = model_check.TINY[family]
-    model = cputrace.tiny_causal_lm(cfg, "bf16", "sdpa")
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: no per-thread reduction buffers, and CI's two cores are not oversubscribed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("tiny", "batch", "seq", "dtype", "attention"), CASES)
+def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention):
+    cfg = model_check.TINY[tiny]
+    model = cputrace.tiny_causal_lm(cfg, dtype, attention)
     real = cputrace.net_events(cputrace.record(cputrace.micro_step(model, batch, seq, cfg["vocab_size"])))
-    predicted = model_check.model_events(cfg, batch=batch, seq=seq)
-    first = next((i for i in range(max(len(real), len(predicted)))
-                  if i >= len(real) or i >= len(predicted) or real[i][0] != predicted[i][0]), None)
+    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu")
+    first = model_check.first_mismatch(real, predicted)
     assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")

@@ -69,6 +69,8 @@ class Autograd:
         self.grad_enabled = True
         self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
+        self._param_buffers: dict[int, Tensor] = {}  # id(parameter) → gradient waiting for its AccumulateGrad
+        self._param_uses: dict[int, int] = {}  # id(parameter) → edges into its AccumulateGrad not yet run
 
     # -- storage ----------------------------------------------------------------------------------------
     def empty(self, name: str, nbytes: int, requires_grad: bool = False, component: str | None = None,
@@ -113,6 +115,9 @@ class Autograd:
     def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable) -> Node:
         for s in saved:
             self.ref(s)
+        for t in inputs:  # edges into each parameter's AccumulateGrad
+            if t is not None and t.requires_grad and t.param is not None and t.node is None:
+                self._param_uses[id(t)] = self._param_uses.get(id(t), 0) + 1
         node = Node(name, inputs, saved, backward, len(self.nodes))
         self.nodes.append(node)
         return node
@@ -150,6 +155,9 @@ class Autograd:
             grad = self._buffers.pop(id(node), None)
             if grad is None:  # nothing flowed here: the engine never schedules it
                 self._release_saved(node)
+                for inp in node.inputs:
+                    if inp is not None and inp.requires_grad and inp.param is not None and inp.node is None:
+                        self._param_grad(inp, None)
                 continue
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
@@ -162,11 +170,13 @@ class Autograd:
             self._release_saved(node)
             for inp, g in zip(node.inputs, outs):
                 if g is None:
+                    if inp is not None and inp.requires_grad and inp.param is not None and inp.node is None:
+                        self._param_grad(inp, None)
                     continue
                 if not inp.requires_grad:
                     self.release(g)
                 elif inp.param is not None and inp.node is None:
-                    self.on_param_grad(inp, g)  # AccumulateGrad runs next (maximum sequence number)
+                    self._param_grad(inp, g)
                 else:
                     self._push(inp, g)
         self.nodes[stop + 1:start + 1] = []
@@ -185,25 +195,47 @@ class Autograd:
         old = self._buffers.get(key)
         if old is None:
             self._buffers[key] = grad
-        elif not old.is_view and old.storage is not None and old.storage.refs == 1:
-            self.release(grad)  # old.add_(grad) in place
-        elif not grad.is_view and grad.storage is not None and grad.storage.refs == 1:
-            self.release(old)  # grad.add_(old) in place, grad becomes the buffer
-            self._buffers[key] = grad
         else:
-            total = self.empty("grad.accumulate", max(old.nbytes, grad.nbytes))
-            self.release(old)
+            self._buffers[key] = self._accumulate(old, grad)
+
+    def _accumulate(self, old: Tensor, grad: Tensor) -> Tensor:
+        """InputBuffer::accumulate for dense tensors: ``old.add_(grad)`` when the buffered gradient is a
+        plain tensor only the buffer references (can_accumulate_inplace), else ``old + grad`` (a new tensor);
+        the incoming gradient is never the one reused."""
+        if not old.is_view and old.storage is not None and old.storage.refs == 1:
             self.release(grad)
-            self._buffers[key] = total
+            return old
+        total = self.empty("grad.accumulate", max(old.nbytes, grad.nbytes))
+        self.release(old)
+        self.release(grad)
+        return total
+
+    def _param_grad(self, param: Tensor, grad: Tensor | None) -> None:
+        """A gradient for a leaf parameter (None: an edge that delivers nothing). Its AccumulateGrad node runs
+        once every edge into it has delivered (the engine's dependency count): a parameter used by several
+        nodes (tied embeddings) first sums its gradients in the node's InputBuffer."""
+        key = id(param)
+        if grad is not None:
+            old = self._param_buffers.get(key)
+            self._param_buffers[key] = grad if old is None else self._accumulate(old, grad)
+        left = self._param_uses.get(key, 1) - 1
+        self._param_uses[key] = left
+        if left <= 0:
+            self._param_uses.pop(key, None)
+            total = self._param_buffers.pop(key, None)
+            if total is not None:
+                self.on_param_grad(param, total)  # AccumulateGrad runs next (maximum sequence number)
 
     def free_graph(self) -> None:
         """Drop every node's saved tensors without running backward (a graph that goes out of scope)."""
         for node in reversed(self.nodes):
             self._release_saved(node)
         self.nodes.clear()
-        for g in self._buffers.values():
+        for g in (*self._buffers.values(), *self._param_buffers.values()):
             self.release(g)
         self._buffers.clear()
+        self._param_buffers.clear()
+        self._param_uses.clear()
 
 
 class _Ctx:

@@ -18,18 +18,29 @@ FP32 = 4
 
 def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None
            ) -> Tensor:
-    """nn.Linear on [.., in] → [.., out] (F.linear: mm / addmm on the 2-D view). Saves the input (and the
-    weight, a parameter). Backward (MmBackward0 / AddmmBackward0): the weight's grad [out, in] first
-    (mm_mat2_backward), then the input's grad [.., in] (mm_mat1_backward), then the bias grad (sum over T)."""
+    """nn.Linear on [.., in] → [.., out] (F.linear: mm, or addmm with a bias, on the 2-D view). Saves the
+    input (and the weight, a parameter). torchgen emits a node's formulas in the sorted order of the input
+    names (load_derivatives.py: sorted(defn.keys())): MmBackward0 (self, mat2) computes the weight's grad
+    [out, in] first (mm_mat2_backward), then the input's [.., in] (mm_mat1_backward); AddmmBackward0
+    (self, mat1, mat2) the input's, the weight's, then the bias's (the incoming grad itself, summed to [out]
+    by the engine's validate_outputs)."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
     b_bytes = bias.nbytes if bias is not None else 0
 
     def backward(ctx: _Ctx, grad: Tensor, node):
-        gw = ctx.new(f"grad.{name}.weight", w_bytes) if weight.requires_grad else None
         # the input's grad reaches x through the reshape F.linear folds [.., in] into (a view of it)
-        gx = ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None
-        gb = ctx.new(f"grad.{name}.bias", b_bytes) if bias is not None and bias.requires_grad else None
-        return (gx, gw, gb) if bias is not None else (gx, gw)
+        def gx():
+            return ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None
+
+        def gw():  # F.linear multiplies by weight.t(): TBackward0 hands the weight a transposed view
+            return ctx.new(f"grad.{name}.weight", w_bytes, view=True) if weight.requires_grad else None
+
+        if bias is None:
+            w = gw()
+            return (gx(), w)
+        i, w = gx(), gw()
+        gb = ctx.new(f"grad.{name}.bias", b_bytes) if bias.requires_grad else None
+        return (i, w, gb)
 
     inputs = (x, weight, bias) if bias is not None else (x, weight)
     saved = (x,) if weight.requires_grad else ()
@@ -54,8 +65,8 @@ def pow2(ag: Autograd, x: Tensor, name: str) -> Tensor:
         a = ctx.new(f"{name}.bw_pow", x.nbytes)
         b = ctx.new(f"{name}.bw_scale", x.nbytes)
         out = ctx.new(f"grad.{name}", x.nbytes)
+        ctx.free(b)  # a full expression's temporaries die last made first
         ctx.free(a)
-        ctx.free(b)
         return (out,)
 
     return ag.op(name, x.nbytes, (x,), (x,), backward)
@@ -80,8 +91,8 @@ def rsqrt(ag: Autograd, x: Tensor, name: str) -> Tensor:
         a = ctx.new(f"{name}.bw_pow", x.nbytes)
         b = ctx.new(f"{name}.bw_scale", x.nbytes)
         out = ctx.new(f"grad.{name}", x.nbytes)
+        ctx.free(b)  # a full expression's temporaries die last made first
         ctx.free(a)
-        ctx.free(b)
         return (out,)
 
     return ag.op(name, x.nbytes, (x,), ("out",), backward)
@@ -89,27 +100,31 @@ def rsqrt(ag: Autograd, x: Tensor, name: str) -> Tensor:
 
 def mul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str) -> Tensor:
     """a * c (broadcasting): MulBackward0 saves each operand the other's grad needs; each grad is grad·other
-    at the output's size, reduced to the operand's size afterwards (validate_outputs → sum_to_size: one
-    more tensor of the operand's size, the full-size product freed)."""
+    at the output's size (the generated apply computes the formulas last input first: c's grad, then a's),
+    reduced to the operand's size afterwards (validate_outputs → sum_to_size, in input order: one more
+    tensor of the operand's size, the full-size product freed)."""
     def backward(ctx, grad, node):
-        outs = []
-        for t in (a, c):
-            if not t.requires_grad:
-                outs.append(None)
-                continue
-            g = ctx.new(f"grad.{name}", out_bytes)
-            outs.append(g)
-        reduced = []
-        for t, g in zip((a, c), outs):  # the engine's validate_outputs reduces broadcast grads, in input order
-            if g is not None and t.nbytes != out_bytes:
-                r = ctx.new(f"grad.{name}.reduced", t.nbytes)
-                ctx.free(g)
-                g = r
-            reduced.append(g)
-        return tuple(reduced)
+        full = {}
+        for t in (c, a):
+            if t.requires_grad:
+                full[id(t)] = ctx.new(f"grad.{name}", out_bytes)
+        return reduce_broadcast(ctx, (a, c), tuple(full.get(id(t)) for t in (a, c)), out_bytes, name)
 
     saved = tuple(t for t, other in ((c, a), (a, c)) if other.requires_grad)
     return ag.op(name, out_bytes, (a, c), saved, backward)
+
+
+def reduce_broadcast(ctx: _Ctx, inputs: tuple, grads: tuple, out_bytes: int, name: str) -> tuple:
+    """The engine's validate_outputs: each grad of a broadcast input (smaller than the output) is summed to
+    the input's size (sum_to_size: a new tensor), the full-size grad freed; in input order."""
+    reduced = []
+    for t, g in zip(inputs, grads):
+        if g is not None and t.nbytes != out_bytes:
+            r = ctx.new(f"grad.{name}.reduced", t.nbytes)
+            ctx.free(g)
+            g = r
+        reduced.append(g)
+    return tuple(reduced)
 
 
 def add(ag: Autograd, a: Tensor, c: Tensor, name: str) -> Tensor:
@@ -192,8 +207,8 @@ def rotate_half_embed(ag: Autograd, x: Tensor, cos: Tensor, sin: Tensor, name: s
     c = mul(ag, rot, sin, x.nbytes, f"{name}.sin")
     ag.release(rot)
     out = add(ag, a, c, f"{name}.rope")
+    ag.release(a)  # BINARY_OP drops its left operand first
     ag.release(c)
-    ag.release(a)
     return out
 
 

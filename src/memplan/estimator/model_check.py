@@ -1,6 +1,6 @@
 """The estimator's allocation sequence for a bare forward + backward (no DeepSpeed), in the form the CPU trace
-comparison uses (memplan.verify.cputrace, tests/test_ledger_trace.py): (±bytes, name) per event, with the
-CUDA kernels' internal temporaries (names ending in ".tmp") left out. Pure."""
+comparison uses (memplan.verify.cputrace, tests/test_ledger_trace.py): (±bytes, name, partner) per event, with
+the CUDA kernels' internal temporaries (names ending in ".tmp") left out. Pure."""
 
 from __future__ import annotations
 
@@ -13,29 +13,61 @@ from .transformer import Net, Params, Shape
 #: the CPU trace drops tensors this small (wrapped scalars; memplan.verify.cputrace.SCALAR_BYTES)
 SCALAR_BYTES = 8
 
-#: tiny configs of each family for the comparison (transformers config kwargs)
+#: bytes per element of each training dtype
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 200, "max_position_embeddings": 256}
+
+#: tiny configs of each family and variant for the comparison (transformers config kwargs); small enough
+#: that one CPU step takes tens of milliseconds (bf16 matmuls are slow on CPUs without bf16 units)
 TINY = {
     "llama": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
               "max_position_embeddings": 512},
+    "llama_gqa": _LLAMA,
+    "llama_mha": {**_LLAMA, "num_key_value_heads": 4},
+    "llama_head_dim_20": {**_LLAMA, "head_dim": 20},  # q_dim 80 ≠ hidden; not a multiple of 8
+    "llama_attention_bias": {**_LLAMA, "attention_bias": True},
+    "llama_mlp_bias": {**_LLAMA, "mlp_bias": True},
+    "llama_tied": {**_LLAMA, "tie_word_embeddings": True},
 }
 
 
-def model_events(config: dict, batch: int, seq: int, b: int = 2) -> list[tuple[int, str]]:
-    """(±bytes, name) of one loss-loop micro-step of ``config`` as the autograd model issues it."""
+def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
+                 device: str = "cpu") -> list[tuple[int, str, int]]:
+    """(±bytes, name, partner) of one loss-loop micro-step of ``config`` as the autograd model issues it,
+    with the attention kernels ``device`` runs; ``partner`` is, for a free, the index of its allocation in the
+    returned list (-1 for an allocation)."""
     spec = model_from_config(dict(config), "tiny", "tiny test config")
+    b = DTYPE_BYTES[dtype]
     ledger = Ledger()
     ag = Autograd(ledger, on_param_grad=lambda param, grad: None)  # param.grad keeps the stolen grad
     params = Params(ag, spec, b, lambda name: True)
-    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params))
+    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params, attention=attention, device=device))
     ag.release(out.logits)
     loss = out.loss
     ag.backward(loss, 4)
     ag.release(loss)
-    events = []
+    events: list[tuple[int, str, int]] = []
+    at: dict[int, int] = {}
     for ev in ledger.events:
         tid = ev if ev >= 0 else ~ev
         if ledger.names[tid].endswith(".tmp") or ledger.sizes[tid] <= SCALAR_BYTES:
             continue
-        events.append((ledger.sizes[tid] if ev >= 0 else -ledger.sizes[tid], ledger.names[tid]))
+        if ev >= 0:
+            at[tid] = len(events)
+            events.append((ledger.sizes[tid], ledger.names[tid], -1))
+        else:
+            events.append((-ledger.sizes[tid], ledger.names[tid], at[tid]))
     return events
+
+
+def first_mismatch(real: list[tuple[int, str, int]], predicted: list[tuple[int, str, int]]) -> int | None:
+    """Index of the first event whose size, or (for a free) whose allocation, differs; None when they agree."""
+    for i in range(max(len(real), len(predicted))):
+        if i >= len(real) or i >= len(predicted):
+            return i
+        if real[i][0] != predicted[i][0] or real[i][2] != predicted[i][2]:
+            return i
+    return None

@@ -76,10 +76,12 @@ class Net:
     """One forward's context: the autograd model, the model spec, the shape, the parameters and the hooks."""
 
     def __init__(self, ag: Autograd, m: ModelSpec, s: Shape, p: Params, hooks: ModuleHooks | None = None,
-                 layer_fn=None):
+                 layer_fn=None, attention: str = "sdpa", device: str = "cuda"):
         self.ag, self.m, self.s, self.p = ag, m, s, p
         self.hooks = hooks or ModuleHooks()
         self.layer_fn = layer_fn  # (i, x, run) → output: wraps each decoder layer (checkpointing)
+        self.attention = attention  # TrainingSpec.attention: flash, sdpa or eager
+        self.device = device  # whose kernels run: "cuda" (the estimate), "cpu" (the CPU trace comparison)
 
     def module(self, name: str, fn, *inputs: Tensor) -> Tensor:
         """Call module ``name`` (``fn(*inputs)``) between its hooks."""

@@ -10,6 +10,7 @@ the real code. Imports torch and transformers inside functions only.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -39,6 +40,7 @@ def record(fn, *, warmup: bool = True) -> list[Event]:
 
     if warmup:
         fn()
+    gc.collect()  # garbage of earlier models is not freed inside the recording
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -96,18 +98,28 @@ def tiny_causal_lm(config: dict, dtype: str = "bf16", attention: str = "eager"):
 DEVICE_KERNELS = ("scaled_dot_product", "embedding_dense_backward", "embedding_backward", "aten::cumsum")
 
 
-def net_events(events: list[Event]) -> list[tuple[int, str]]:
-    """(±bytes, op) of every event, except temporaries allocated and freed inside one device kernel."""
+def net_events(events: list[Event]) -> list[tuple[int, str, int]]:
+    """(±bytes, op, partner) of every event, except temporaries allocated and freed inside one device kernel
+    and frees of blocks allocated before the recording (a previous model's garbage collected meanwhile).
+    ``partner`` is, for a free, the index (in the returned list) of the allocation it frees; -1 for an
+    allocation."""
     freed_inside = set()
+    stray = set()
     open_at: dict[int, int] = {}
+    partner: dict[int, int] = {}
     for i, e in enumerate(events):
         if e.delta_bytes > 0:
             open_at[e.addr] = i
         elif e.addr in open_at:
             j = open_at.pop(e.addr)
+            partner[i] = j
             if e.kernel >= 0 and events[j].kernel == e.kernel:
                 freed_inside.update((i, j))
-    return [(e.delta_bytes, e.op) for i, e in enumerate(events) if i not in freed_inside]
+        else:
+            stray.add(i)
+    kept = [i for i in range(len(events)) if i not in freed_inside and i not in stray]
+    index = {i: k for k, i in enumerate(kept)}
+    return [(events[i].delta_bytes, events[i].op, index[partner[i]] if i in partner else -1) for i in kept]
 
 
 def micro_step(model, batch: int, seq: int, vocab: int, keep_outputs: bool = False):
