@@ -17,18 +17,39 @@ pytest.importorskip("transformers")
 from memplan.estimator import model_check
 from memplan.verify import cputrace
 
-#: (TINY config, batch, seq, dtype, attn_implementation)
+#: (TINY config, batch, seq, dtype, attention): attn_implementation, with ":kernel" an sdpa kernel forced
+#: (torch.nn.attention.sdpa_kernel); plain sdpa runs the CPU's flash kernel (math with dropout)
 CASES = [
     ("llama", 1, 128, "bf16", "sdpa"),
     ("llama", 2, 64, "bf16", "sdpa"),
     ("llama_gqa", 2, 32, "bf16", "sdpa"),
     ("llama_gqa", 2, 32, "fp32", "sdpa"),
     ("llama_gqa", 1, 32, "fp16", "sdpa"),
+    ("llama_gqa", 2, 32, "bf16", "eager"),
+    ("llama_gqa", 1, 32, "fp16", "eager"),
+    ("llama_gqa", 2, 32, "fp32", "eager"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa:math"),
+    ("llama_gqa", 1, 32, "fp32", "sdpa:math"),
     ("llama_mha", 2, 32, "bf16", "sdpa"),
+    ("llama_mha", 2, 32, "bf16", "eager"),
+    ("llama_mha", 2, 32, "bf16", "sdpa:math"),
     ("llama_head_dim_20", 2, 32, "bf16", "sdpa"),
+    ("llama_head_dim_20", 2, 32, "fp16", "sdpa:math"),
     ("llama_attention_bias", 2, 32, "bf16", "sdpa"),
     ("llama_mlp_bias", 2, 32, "bf16", "sdpa"),
     ("llama_tied", 2, 32, "bf16", "sdpa"),
+    ("llama_tied", 2, 32, "bf16", "eager"),
+    ("llama_dropout", 2, 32, "bf16", "sdpa"),
+    ("llama_dropout", 2, 32, "bf16", "eager"),
+    ("mistral", 2, 32, "bf16", "sdpa"),
+    ("mistral", 1, 30, "fp32", "sdpa"),
+    ("mistral", 2, 32, "bf16", "eager"),
+    ("mistral", 1, 32, "fp16", "sdpa:math"),
+    ("mistral_long_window", 2, 32, "bf16", "sdpa"),
+    ("qwen2", 2, 32, "bf16", "sdpa"),
+    ("qwen2", 2, 32, "bf16", "eager"),
+    ("qwen3", 2, 32, "bf16", "sdpa"),
+    ("qwen3", 1, 32, "fp32", "eager"),
 ]
 
 
@@ -44,9 +65,12 @@ def _one_thread():
 @pytest.mark.parametrize(("tiny", "batch", "seq", "dtype", "attention"), CASES)
 def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention):
     cfg = model_check.TINY[tiny]
+    attention, _, kernel = attention.partition(":")
     model = cputrace.tiny_causal_lm(cfg, dtype, attention)
-    real = cputrace.net_events(cputrace.record(cputrace.micro_step(model, batch, seq, cfg["vocab_size"])))
-    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu")
+    step = cputrace.micro_step(model, batch, seq, cfg["vocab_size"], sdpa_backend=kernel or None)
+    real = cputrace.net_events(cputrace.record(step))
+    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
+                                         sdpa_backend=kernel or None)
     first = model_check.first_mismatch(real, predicted)
     assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")

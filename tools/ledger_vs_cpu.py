@@ -1,6 +1,6 @@
 """Development aid: the estimator's autograd ledger of a tiny model against the CPU allocation trace, side by side.
 
-Usage: python tools/ledger_vs_cpu.py [tiny] [batch] [seq] [dtype] [attention] [--all]
+Usage: python tools/ledger_vs_cpu.py [tiny] [batch] [seq] [dtype] [attention[:kernel]] [--all]
 (tiny: a key of memplan.estimator.model_check.TINY; prints the first mismatch with context, or every event)
 """
 from __future__ import annotations
@@ -16,10 +16,13 @@ args = [a for a in sys.argv[1:] if not a.startswith("--")]
 name, batch, seq, dtype, attention = (args + ["llama", "1", "128", "bf16", "sdpa"][len(args):])[:5]
 batch, seq = int(batch), int(seq)
 torch.set_num_threads(1)
+attention, _, backend = attention.partition(":")  # sdpa:math forces a kernel
 cfg = model_check.TINY[name]
 tiny = cputrace.tiny_causal_lm(cfg, dtype, attention)
-real = cputrace.net_events(cputrace.record(cputrace.micro_step(tiny, batch, seq, cfg["vocab_size"])))
-model = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu")
+step = cputrace.micro_step(tiny, batch, seq, cfg["vocab_size"], sdpa_backend=backend or None)
+real = cputrace.net_events(cputrace.record(step))
+model = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
+                                 sdpa_backend=backend or None)
 n = max(len(real), len(model))
 first = model_check.first_mismatch(real, model)
 lo, hi = (0, n) if "--all" in sys.argv else (max(0, (first or n) - 30), min(n, (first or n) + 15))

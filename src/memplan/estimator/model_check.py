@@ -31,20 +31,27 @@ TINY = {
     "llama_attention_bias": {**_LLAMA, "attention_bias": True},
     "llama_mlp_bias": {**_LLAMA, "mlp_bias": True},
     "llama_tied": {**_LLAMA, "tie_word_embeddings": True},
+    "llama_dropout": {**_LLAMA, "attention_dropout": 0.25},
+    "mistral": {**_LLAMA, "model_type": "mistral", "sliding_window": 16},  # seq >= window: a mask
+    "mistral_long_window": {**_LLAMA, "model_type": "mistral", "sliding_window": 4096},  # no mask
+    "qwen2": {**_LLAMA, "model_type": "qwen2"},
+    "qwen3": {**_LLAMA, "model_type": "qwen3", "head_dim": 16},
 }
 
 
 def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
-                 device: str = "cpu") -> list[tuple[int, str, int]]:
+                 device: str = "cpu", sdpa_backend: str | None = None) -> list[tuple[int, str, int]]:
     """(±bytes, name, partner) of one loss-loop micro-step of ``config`` as the autograd model issues it,
-    with the attention kernels ``device`` runs; ``partner`` is, for a free, the index of its allocation in the
-    returned list (-1 for an allocation)."""
+    with the attention kernels ``device`` runs (``sdpa_backend``: one forced, as torch.nn.attention.sdpa_kernel
+    does); ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an
+    allocation)."""
     spec = model_from_config(dict(config), "tiny", "tiny test config")
     b = DTYPE_BYTES[dtype]
     ledger = Ledger()
     ag = Autograd(ledger, on_param_grad=lambda param, grad: None)  # param.grad keeps the stolen grad
     params = Params(ag, spec, b, lambda name: True)
-    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params, attention=attention, device=device))
+    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params, attention=attention, device=device, dtype=dtype,
+                      sdpa_backend=sdpa_backend))
     ag.release(out.logits)
     loss = out.loss
     ag.backward(loss, 4)

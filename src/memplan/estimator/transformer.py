@@ -76,12 +76,15 @@ class Net:
     """One forward's context: the autograd model, the model spec, the shape, the parameters and the hooks."""
 
     def __init__(self, ag: Autograd, m: ModelSpec, s: Shape, p: Params, hooks: ModuleHooks | None = None,
-                 layer_fn=None, attention: str = "sdpa", device: str = "cuda"):
+                 layer_fn=None, attention: str = "sdpa", device: str = "cuda", dtype: str = "bf16",
+                 sdpa_backend: str | None = None):
         self.ag, self.m, self.s, self.p = ag, m, s, p
         self.hooks = hooks or ModuleHooks()
         self.layer_fn = layer_fn  # (i, x, run) → output: wraps each decoder layer (checkpointing)
         self.attention = attention  # TrainingSpec.attention: flash, sdpa or eager
         self.device = device  # whose kernels run: "cuda" (the estimate), "cpu" (the CPU trace comparison)
+        self.dtype = dtype  # TrainingSpec.dtype (bf16 and fp16 differ in CUDA's softmax)
+        self.sdpa_backend = sdpa_backend  # a kernel forced as torch.nn.attention.sdpa_kernel does (None: dispatch)
 
     def module(self, name: str, fn, *inputs: Tensor) -> Tensor:
         """Call module ``name`` (``fn(*inputs)``) between its hooks."""
@@ -133,6 +136,47 @@ def positions(ag: Autograd, s: Shape) -> Tensor | None:
     for t in (ne, first, diff, packed):
         ag.release(t)
     return made
+
+
+def causal_mask(net: Net) -> Tensor | None:
+    """create_causal_mask / create_sliding_window_causal_mask (masking_utils) after the packed-sequence check:
+    what the attention implementation gets. sdpa and flash skip it (None: is_causal) unless a sliding window
+    is not shorter than the sequence (_ignore_causal_mask_sdpa); then sdpa_mask builds a bool [1, 1, S, S]
+    (expanded to [B, 1, S, S], a view) and eager_mask turns it into the dtype's 0 / min [B, 1, S, S]
+    (torch.where). sdpa_mask's index tensors: arange(B), arange(1), arange(S) + q_offset,
+    arange(S) + kv_offset (int64), freed as it returns; the mask function is kv <= q, and with a window
+    and_masks(kv > q - window, kv <= q) (new_ones((), bool) & each, left to right)."""
+    ag, m, s = net.ag, net.m, net.s
+    window = m.sliding_window if m.sliding_window is not None and s.attn_seq >= m.sliding_window else None
+    if net.attention != "eager" and window is None:
+        return None
+    S = s.attn_seq
+    idx = [ag.empty("mask.batch_arange", INT64 * s.batch), ag.empty("mask.head_arange", INT64)]
+    for which in ("q", "kv"):
+        raw = ag.empty(f"mask.{which}_arange_raw", INT64 * S)
+        idx.append(ag.empty(f"mask.{which}_arange", INT64 * S))
+        ag.release(raw)
+    if window is None:
+        mask = ag.empty("mask.causal", S * S)  # kv_idx <= q_idx: bool [1, 1, S, S]
+    else:
+        result = ag.empty("mask.and_start", 1)  # q_idx.new_ones((), dtype=torch.bool)
+        shifted = ag.empty("mask.q_minus_window", INT64 * S)
+        inside = ag.empty("mask.in_window", S * S)
+        ag.release(shifted)
+        both = ag.empty("mask.and_window", S * S)
+        ag.release(inside)
+        ag.release(result)
+        causal = ag.empty("mask.causal", S * S)
+        mask = ag.empty("mask.and_causal", S * S)
+        ag.release(causal)
+        ag.release(both)
+    for t in idx:
+        ag.release(t)
+    if net.attention != "eager":
+        return mask
+    out = ag.empty("mask.eager", s.b * s.batch * S * S)  # torch.where(mask, 0, min): [B, 1, S, S]
+    ag.release(mask)
+    return out
 
 
 def rotary(ag: Autograd, m: ModelSpec, s: Shape) -> tuple[Tensor, Tensor]:

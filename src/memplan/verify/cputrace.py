@@ -64,6 +64,8 @@ def record(fn, *, warmup: bool = True) -> list[Event]:
         inner = [(k, o) for k, o in enumerate(ops) if o[0] <= ts <= o[1]]
         name = min(inner, key=lambda ko: ko[1][1] - ko[1][0])[1][2] if inner else "?"
         kernels = [k for k, o in inner if any(d in o[2] for d in DEVICE_KERNELS)]
+        if any(o[2] in COMPOSITE_KERNELS for _, o in inner):
+            kernels = []
         kernel = max(kernels, key=lambda k: ops[k][1] - ops[k][0]) if kernels else -1
         out.append(Event(int(a["Bytes"]), name, int(a["Addr"]), kernel))
     return out
@@ -96,6 +98,8 @@ def tiny_causal_lm(config: dict, dtype: str = "bf16", attention: str = "eager"):
 
 #: kernels whose internal temporaries differ between the CPU and CUDA (the estimator models CUDA's)
 DEVICE_KERNELS = ("scaled_dot_product", "embedding_dense_backward", "embedding_backward", "aten::cumsum")
+#: composite kernels inside those: the same aten ops on every device, so everything in them is compared
+COMPOSITE_KERNELS = ("aten::_scaled_dot_product_attention_math",)
 
 
 def net_events(events: list[Event]) -> list[tuple[int, str, int]]:
@@ -122,14 +126,31 @@ def net_events(events: list[Event]) -> list[tuple[int, str, int]]:
     return [(events[i].delta_bytes, events[i].op, index[partner[i]] if i in partner else -1) for i in kept]
 
 
-def micro_step(model, batch: int, seq: int, vocab: int, keep_outputs: bool = False):
+#: memplan's sdpa kernel names → torch.nn.attention.SDPBackend members
+SDPA_BACKENDS = {"math": "MATH", "cpu_flash": "FLASH_ATTENTION"}
+
+
+def micro_step(model, batch: int, seq: int, vocab: int, keep_outputs: bool = False, sdpa_backend: str | None = None):
     """One forward + backward as the loss loop (or, ``keep_outputs``, the outputs loop) runs it; parameter
-    grads are reset to None first, so every grad is stolen fresh (AccumulateGrad's first-grad path)."""
+    grads are reset to None first, so every grad is stolen fresh (AccumulateGrad's first-grad path).
+    ``sdpa_backend`` (a key of SDPA_BACKENDS) restricts F.scaled_dot_product_attention to that kernel."""
+    import contextlib
+
     import torch
 
     ids = torch.randint(0, vocab, (batch, seq))
 
+    def context():
+        if sdpa_backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[sdpa_backend])])
+
     def run():
+        with context():
+            step()
+
+    def step():
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids)
         if keep_outputs:

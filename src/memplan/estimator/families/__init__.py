@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..transformer import Net, Output
 from . import llama
 
-#: family → its forward
-FORWARD = {"llama": llama.forward}
+#: family → its forward (Mistral, Qwen2 and Qwen3 are copies of Llama's code in transformers 5.17)
+FORWARD = {"llama": llama.forward, "mistral": llama.forward, "qwen2": llama.forward, "qwen3": llama.forward}
 
 
 def forward(net: Net) -> Output:
