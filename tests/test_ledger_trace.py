@@ -50,6 +50,10 @@ CASES = [
     ("qwen2", 2, 32, "bf16", "eager"),
     ("qwen3", 2, 32, "bf16", "sdpa"),
     ("qwen3", 1, 32, "fp32", "eager"),
+    ("mixtral", 2, 32, "bf16", "sdpa"),
+    ("mixtral", 1, 32, "fp32", "sdpa"),
+    ("mixtral", 2, 32, "bf16", "eager"),
+    ("mixtral_top1", 2, 32, "fp16", "sdpa"),
 ]
 
 

@@ -37,25 +37,28 @@ class Storage:
 class Tensor:
     """A tensor (or a view of one): its storage, its own byte size, its grad_fn and whether it needs grad."""
 
-    __slots__ = ("is_view", "name", "nbytes", "node", "param", "requires_grad", "storage")
+    __slots__ = ("is_view", "name", "nbytes", "node", "param", "requires_grad", "slot", "storage")
 
     def __init__(self, storage: Storage | None, nbytes: int, name: str, requires_grad: bool, node=None,
-                 param: str | None = None, is_view: bool = False):
+                 param: str | None = None, is_view: bool = False, slot: int = 0):
         self.storage, self.nbytes, self.name = storage, nbytes, name
         self.requires_grad, self.node, self.param = requires_grad, node, param
         self.is_view = is_view
+        self.slot = slot  # which output of a multi-output node (chunk) this tensor is
 
 
 class Node:
     """A grad_fn: which inputs get gradients, what it saved, and its backward formula.
 
-    ``backward(ctx, grads)`` receives the incoming gradients (one per output, None where none arrived) and
-    returns one gradient per entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
+    ``backward(ctx, grad, node)`` receives the incoming gradient (for a node of ``n_out`` > 1 outputs, such as
+    SplitBackward0, a list with one entry per output, None where none arrived) and returns one gradient per
+    entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
 
-    __slots__ = ("backward", "inputs", "name", "saved", "seq")
+    __slots__ = ("backward", "inputs", "n_out", "name", "saved", "seq")
 
-    def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int):
+    def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int, n_out: int = 1):
         self.name, self.inputs, self.saved, self.backward, self.seq = name, inputs, saved, backward, seq
+        self.n_out = n_out
 
 
 class Autograd:
@@ -112,15 +115,26 @@ class Autograd:
         return v
 
     # -- graph ------------------------------------------------------------------------------------------
-    def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable) -> Node:
+    def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable, n_out: int = 1) -> Node:
         for s in saved:
             self.ref(s)
         for t in inputs:  # edges into each parameter's AccumulateGrad
             if t is not None and t.requires_grad and t.param is not None and t.node is None:
                 self._param_uses[id(t)] = self._param_uses.get(id(t), 0) + 1
-        node = Node(name, inputs, saved, backward, len(self.nodes))
+        node = Node(name, inputs, saved, backward, len(self.nodes), n_out)
         self.nodes.append(node)
         return node
+
+    def split(self, t: Tensor, parts: tuple[int, ...], name: str, backward: Callable) -> list[Tensor]:
+        """Views of ``t`` (bytes ``parts``) that are the outputs of one node (chunk / split: SplitBackward0):
+        their grads wait in one InputBuffer slot each and reach ``backward`` together, as a list."""
+        node = (self._node(name, (t,), (), backward, len(parts)) if t.requires_grad and self.grad_enabled
+                else None)
+        outs = []
+        for i, nbytes in enumerate(parts):
+            v = Tensor(t.storage, nbytes, f"{name}.{i}", t.requires_grad, node, is_view=True, slot=i)
+            outs.append(self.ref(v))
+        return outs
 
     def op(self, name: str, out_bytes: int, inputs: tuple, saved: tuple = (), backward: Callable | None = None,
            component: str | None = None) -> Tensor:
@@ -161,7 +175,11 @@ class Autograd:
                 continue
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
-            if outs is grad:  # passthrough of the incoming gradient object
+            if node.n_out > 1:  # each output's grad dies with apply's argument list
+                for g in grad:
+                    if g is not None and not any(o is g for o in outs):
+                        self.release(g)
+            elif outs is grad:  # passthrough of the incoming gradient object
                 outs = (grad,) * len(node.inputs)
                 for _ in range(len(node.inputs) - 1):
                     self.ref(grad)
@@ -192,6 +210,11 @@ class Autograd:
             self.release(grad)
             return
         key = id(t.node)
+        if t.node.n_out > 1:  # one slot per output
+            slots = self._buffers.setdefault(key, [None] * t.node.n_out)
+            old = slots[t.slot]
+            slots[t.slot] = grad if old is None else self._accumulate(old, grad)
+            return
         old = self._buffers.get(key)
         if old is None:
             self._buffers[key] = grad
@@ -232,7 +255,8 @@ class Autograd:
             self._release_saved(node)
         self.nodes.clear()
         for g in (*self._buffers.values(), *self._param_buffers.values()):
-            self.release(g)
+            for one in (g if isinstance(g, list) else (g,)):
+                self.release(one)
         self._buffers.clear()
         self._param_buffers.clear()
         self._param_uses.clear()

@@ -36,6 +36,10 @@ TINY = {
     "mistral_long_window": {**_LLAMA, "model_type": "mistral", "sliding_window": 4096},  # no mask
     "qwen2": {**_LLAMA, "model_type": "qwen2"},
     "qwen3": {**_LLAMA, "model_type": "qwen3", "head_dim": 16},
+    "mixtral": {**_LLAMA, "model_type": "mixtral", "intermediate_size": 96, "num_local_experts": 4,
+                "num_experts_per_tok": 2},
+    "mixtral_top1": {**_LLAMA, "model_type": "mixtral", "intermediate_size": 48, "num_local_experts": 3,
+                     "num_experts_per_tok": 1, "num_key_value_heads": 4},
 }
 
 

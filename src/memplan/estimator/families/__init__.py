@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from ..transformer import Net, Output
-from . import llama
+from . import llama, mixtral
 
 #: family → its forward (Mistral, Qwen2 and Qwen3 are copies of Llama's code in transformers 5.17)
-FORWARD = {"llama": llama.forward, "mistral": llama.forward, "qwen2": llama.forward, "qwen3": llama.forward}
+FORWARD = {"llama": llama.forward, "mistral": llama.forward, "qwen2": llama.forward, "qwen3": llama.forward,
+           "mixtral": mixtral.forward}
 
 
 def forward(net: Net) -> Output:
