@@ -54,6 +54,11 @@ CASES = [
     ("mixtral", 1, 32, "fp32", "sdpa"),
     ("mixtral", 2, 32, "bf16", "eager"),
     ("mixtral_top1", 2, 32, "fp16", "sdpa"),
+    ("gpt2", 2, 32, "bf16", "sdpa"),
+    ("gpt2", 2, 32, "bf16", "eager"),
+    ("gpt2", 1, 32, "fp32", "eager"),
+    ("gpt2_nodrop", 2, 32, "bf16", "sdpa"),
+    ("gpt2_nodrop", 1, 32, "fp16", "sdpa:math"),
 ]
 
 

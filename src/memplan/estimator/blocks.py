@@ -16,14 +16,15 @@ from .autograd import Autograd, Tensor, _Ctx, _passthrough
 FP32 = 4
 
 
-def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None
-           ) -> Tensor:
+def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None,
+           transposed: bool = True) -> Tensor:
     """nn.Linear on [.., in] → [.., out] (F.linear: mm, or addmm with a bias, on the 2-D view). Saves the
     input (and the weight, a parameter). torchgen emits a node's formulas in the sorted order of the input
     names (load_derivatives.py: sorted(defn.keys())): MmBackward0 (self, mat2) computes the weight's grad
     [out, in] first (mm_mat2_backward), then the input's [.., in] (mm_mat1_backward); AddmmBackward0
     (self, mat1, mat2) the input's, the weight's, then the bias's (the incoming grad itself, summed to [out]
-    by the engine's validate_outputs)."""
+    by the engine's validate_outputs). ``transposed``: F.linear multiplies by weight.t() (TBackward0 hands
+    the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
     b_bytes = bias.nbytes if bias is not None else 0
 
@@ -32,8 +33,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
         def gx():
             return ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None
 
-        def gw():  # F.linear multiplies by weight.t(): TBackward0 hands the weight a transposed view
-            return ctx.new(f"grad.{name}.weight", w_bytes, view=True) if weight.requires_grad else None
+        def gw():
+            return ctx.new(f"grad.{name}.weight", w_bytes, view=transposed) if weight.requires_grad else None
 
         if bias is None:
             w = gw()

@@ -173,18 +173,22 @@ def sdpa_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     return o
 
 
-def attention_grads_bhsd(net, g: Geometry, mask_given: bool, dropout: float) -> bool:
-    """Whether the grads this attention hands back for k and v are contiguous [B, nh, S, d] (eager, math, or
-    repeated k/v), so that the heads view's backward copies them; flash and efficient return them in the
-    inputs' [B, S, nh, d] memory."""
-    if net.attention == "eager":
-        return True
+def grad_copies(net, g: Geometry, mask_given: bool, dropout: float) -> tuple[bool, bool, bool]:
+    """Whether the grads this attention hands back for q, k, v make the heads view's backward (the
+    [B, nh, S, d] grad transposed back and viewed as [B, S, nh·d]) copy. Flash and efficient return them in
+    the inputs' [B, S, nh, d] memory: no copy. Eager and math return q's and v's from bmm, contiguous
+    [B, nh, S, d]: a copy; k's comes from the mat2 grad of k^T, [B, nh, d, S] in memory, whose transpose views
+    back: no copy unless k was repeated (repeat_kv / repeat_interleave: contiguous [B, nh, S, d])."""
     n_rep = g.heads // g.kv_heads
+    if net.attention == "eager":
+        return True, n_rep > 1, True
     gqa = n_rep > 1 and not mask_given and g.head_dim <= FLASH_MAX_HEAD_DIM
     if n_rep > 1 and not gqa:
-        return True
-    g2 = g if gqa or n_rep == 1 else Geometry(g.batch, g.seq, g.heads, g.heads, g.head_dim, g.b)
-    return sdpa_kernel(net, g2, mask_given, dropout, gqa) == "math"
+        g2 = Geometry(g.batch, g.seq, g.heads, g.heads, g.head_dim, g.b)
+        return sdpa_kernel(net, g2, mask_given, dropout, False) == "math", True, True
+    if sdpa_kernel(net, g, mask_given, dropout, gqa) == "math":
+        return True, n_rep > 1, True
+    return False, False, False
 
 
 def _bool_mask_to_float(ag: Autograd, mask: Tensor | None, g: Geometry, name: str, saved: bool) -> Tensor | None:

@@ -38,6 +38,10 @@ TINY = {
     "qwen3": {**_LLAMA, "model_type": "qwen3", "head_dim": 16},
     "mixtral": {**_LLAMA, "model_type": "mixtral", "intermediate_size": 96, "num_local_experts": 4,
                 "num_experts_per_tok": 2},
+    "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 160, "vocab_size": 200,
+             "n_positions": 64},  # GPT2Config's dropouts (0.1)
+    "gpt2_nodrop": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 160,
+                    "vocab_size": 200, "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "mixtral_top1": {**_LLAMA, "model_type": "mixtral", "intermediate_size": 48, "num_local_experts": 3,
                      "num_experts_per_tok": 1, "num_key_value_heads": 4},
 }

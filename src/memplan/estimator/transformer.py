@@ -99,6 +99,18 @@ class Net:
         return self.module(name, lambda z: B.linear(self.ag, z, p[f"{name}.weight"], s.b * s.tokens * out_features,
                                                     name, b_t), x)
 
+    def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
+        """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""
+        s, p = self.s, self.p
+        return self.module(name, lambda z: B.linear(self.ag, z, p[f"{name}.weight"], s.b * s.tokens * out_features,
+                                                    name, p[f"{name}.bias"], transposed=False), x)
+
+    def layernorm(self, x: Tensor, name: str) -> Tensor:
+        """nn.LayerNorm ``name`` (weight and bias) over the hidden size of x [T, h]."""
+        from .blocks_gpt import layernorm
+        return self.module(name, lambda z: layernorm(self.ag, z, self.p[f"{name}.weight"], self.p[f"{name}.bias"],
+                                                     self.s.tokens, self.s.b, name, self.device), x)
+
     def rmsnorm(self, x: Tensor, name: str) -> Tensor:
         """The family's RMSNorm module ``name`` on x."""
         return self.module(name, lambda z: B.rmsnorm(self.ag, z, self.p[f"{name}.weight"], self.s.b, name), x)
@@ -117,16 +129,28 @@ class Output:
 
 
 def positions(ag: Autograd, s: Shape) -> Tensor | None:
-    """position_ids and the packed-sequence check of create_causal_mask (masking_utils
-    find_packed_sequence_indices: diff with a prepended value, != 1, cumsum; all temporaries). Without
-    position_ids given, LlamaModel.forward makes them: arange(S) + past_seen_tokens → [1, S] int64.
-    Returns the tensor the model allocated (None when the caller passed position_ids)."""
-    rows = s.batch  # _preprocess_mask_arguments expands position_ids to the batch first
-    made = None
-    if not s.positions_given:
-        arange = ag.empty("position_ids.arange", INT64 * s.seq)
-        made = ag.empty("position_ids", INT64 * s.seq)
-        ag.release(arange)
+    """position_ids and the packed-sequence check of create_causal_mask (``position_ids`` then
+    ``packed_sequence_check``). Returns the tensor the model allocated (None when the caller passed them)."""
+    made = position_ids(ag, s)
+    packed_sequence_check(ag, s)
+    return made
+
+
+def position_ids(ag: Autograd, s: Shape) -> Tensor | None:
+    """Without position_ids given, *Model.forward makes them: arange(S) + past_seen_tokens → [1, S] int64
+    (None when the caller passed them)."""
+    if s.positions_given:
+        return None
+    arange = ag.empty("position_ids.arange", INT64 * s.seq)
+    made = ag.empty("position_ids", INT64 * s.seq)
+    ag.release(arange)
+    return made
+
+
+def packed_sequence_check(ag: Autograd, s: Shape) -> None:
+    """The packed-sequence check of create_causal_mask (masking_utils find_packed_sequence_indices on
+    position_ids expanded to the batch: diff with a prepended value, != 1, cumsum; all temporaries)."""
+    rows = s.batch
     first = ag.empty("mask.first_position", INT64 * rows)  # position_ids[:, :1] - 1
     prepended = ag.empty("mask.positions_prepended", INT64 * rows * (s.seq + 1))
     diff = ag.empty("mask.positions_diff", INT64 * rows * s.seq)
@@ -135,7 +159,6 @@ def positions(ag: Autograd, s: Shape) -> Tensor | None:
     packed = ag.empty("mask.packed_sequences", INT64 * rows * s.seq)
     for t in (ne, first, diff, packed):
         ag.release(t)
-    return made
 
 
 def causal_mask(net: Net) -> Tensor | None:
@@ -202,20 +225,22 @@ def rotary(ag: Autograd, m: ModelSpec, s: Shape) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
-def embedding(ag: Autograd, m: ModelSpec, s: Shape, weight: Tensor) -> Tensor:
-    """nn.Embedding: the looked-up rows [T, h]. EmbeddingBackward0 (embedding_dense_backward on CUDA) builds
-    the whole table's grad [V, h] in the weight's dtype; on CUDA it first sorts the int64 indices [T]
-    (embedding_backward_cuda_kernel: sorted indices and their original positions, freed before it returns)."""
-    t = s.tokens
+def embedding(ag: Autograd, m: ModelSpec, s: Shape, weight: Tensor, rows: int | None = None,
+              name: str = "embedding", indices: Tensor | None = None) -> Tensor:
+    """nn.Embedding: the looked-up rows [rows, h] (default: the T tokens). EmbeddingBackward0
+    (embedding_dense_backward on CUDA) builds the whole table's grad [V, h] in the weight's dtype; on CUDA it
+    first sorts the int64 indices (embedding_backward_cuda_kernel: sorted indices and their original positions,
+    freed before it returns). ``indices``: the index tensor when the model made it (saved by the node)."""
+    t = s.tokens if rows is None else rows
 
     def backward(ctx, grad, node):
-        tmp = [ctx.new("embedding.sorted_indices.tmp", INT64 * t), ctx.new("embedding.orig_indices.tmp", INT64 * t)]
-        gw = ctx.new("grad.embedding.weight", weight.nbytes)
+        tmp = [ctx.new(f"{name}.sorted_indices.tmp", INT64 * t), ctx.new(f"{name}.orig_indices.tmp", INT64 * t)]
+        gw = ctx.new(f"grad.{name}.weight", weight.nbytes)
         for x in tmp:
             ctx.free(x)
         return (gw,)
 
-    return ag.op("embedding", s.b * t * m.hidden_size, (weight,), (), backward)
+    return ag.op(name, s.b * t * m.hidden_size, (weight,), (indices,) if indices is not None else (), backward)
 
 
 def causal_lm_loss(ag: Autograd, m: ModelSpec, s: Shape, logits: Tensor) -> Tensor:

@@ -98,7 +98,7 @@ def tiny_causal_lm(config: dict, dtype: str = "bf16", attention: str = "eager"):
 
 #: kernels whose internal temporaries differ between the CPU and CUDA (the estimator models CUDA's)
 DEVICE_KERNELS = ("scaled_dot_product", "embedding_dense_backward", "embedding_backward", "aten::cumsum",
-                  "aten::sort", "aten::histc", "aten::_grouped_mm")
+                  "aten::sort", "aten::histc", "aten::_grouped_mm", "aten::native_layer_norm_backward")
 #: composite kernels inside those: the same aten ops on every device, so everything in them is compared
 COMPOSITE_KERNELS = ("aten::_scaled_dot_product_attention_math",)
 

@@ -28,7 +28,7 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     pre = f"model.layers.{i}.self_attn"
     g = geometry(net)
     dropout = m.attention_dropout
-    v_copies = A.attention_grads_bhsd(net, g, mask is not None, dropout)
+    v_copies = A.grad_copies(net, g, mask is not None, dropout)[2]
     proj = []
     for which, width in (("q", m.q_dim), ("k", m.kv_dim), ("v", m.kv_dim)):
         z = net.linear(x, f"{pre}.{which}_proj", width, m.attention_bias)
