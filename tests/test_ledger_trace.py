@@ -59,6 +59,10 @@ CASES = [
     ("gpt2", 1, 32, "fp32", "eager"),
     ("gpt2_nodrop", 2, 32, "bf16", "sdpa"),
     ("gpt2_nodrop", 1, 32, "fp16", "sdpa:math"),
+    ("gpt_neox", 2, 32, "bf16", "sdpa"),
+    ("gpt_neox", 2, 32, "bf16", "eager"),
+    ("gpt_neox_sequential", 2, 32, "bf16", "sdpa"),
+    ("gpt_neox_sequential", 1, 32, "fp32", "eager"),
 ]
 
 

@@ -104,15 +104,15 @@ def _transpose_contiguous(ag: Autograd, out: Tensor, bshd: bool, name: str) -> T
 
 
 def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Geometry, *, dropout: float,
-                    name: str, k_bshd: bool = True, v_bshd: bool = True) -> Tensor:
-    """transformers eager_attention_forward (q in "bshd"): repeat_kv(k), repeat_kv(v); q @ k^T (torch.matmul:
-    q's reshape copies, k's copies unless repeated), · scaling, + mask, softmax in fp32, .to(dtype),
+                    name: str, q_bshd: bool = True, k_bshd: bool = True, v_bshd: bool = True) -> Tensor:
+    """transformers eager_attention_forward: repeat_kv(k), repeat_kv(v); q @ k^T (torch.matmul: an operand
+    whose memory is [B, S, h, d] copies, a repeated one is contiguous), · scaling, + mask, softmax in fp32, .to(dtype),
     dropout, @ v, transpose(1, 2).contiguous() (a copy). Returns the [B, S, nh, d] output."""
     ag = net.ag
     n_rep = g.heads // g.kv_heads
     kr = repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
     vr = repeat_kv(ag, v, n_rep, f"{name}.v_repeated")
-    scores = B.matmul(ag, q, kr, g.scores(), f"{name}.scores", copy_a=_folds_copy(True, g),
+    scores = B.matmul(ag, q, kr, g.scores(), f"{name}.scores", copy_a=_folds_copy(q_bshd, g),
                       copy_c=_folds_copy(n_rep == 1 and k_bshd, g))
     scaled = B.scale(ag, scores, f"{name}.scaled")
     ag.release(scores)

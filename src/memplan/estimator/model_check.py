@@ -42,6 +42,12 @@ TINY = {
              "n_positions": 64},  # GPT2Config's dropouts (0.1)
     "gpt2_nodrop": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 160,
                     "vocab_size": 200, "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "intermediate_size": 160, "vocab_size": 200, "max_position_embeddings": 256},  # rotary_pct 0.25
+    "gpt_neox_sequential": {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "intermediate_size": 160, "vocab_size": 200,
+                            "max_position_embeddings": 256, "use_parallel_residual": False, "rotary_pct": 1.0,
+                            "attention_bias": False, "hidden_dropout": 0.1, "attention_dropout": 0.1},
     "mixtral_top1": {**_LLAMA, "model_type": "mixtral", "intermediate_size": 48, "num_local_experts": 3,
                      "num_experts_per_tok": 1, "num_key_value_heads": 4},
 }

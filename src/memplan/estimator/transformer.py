@@ -202,12 +202,13 @@ def causal_mask(net: Net) -> Tensor | None:
     return out
 
 
-def rotary(ag: Autograd, m: ModelSpec, s: Shape) -> tuple[Tensor, Tensor]:
+def rotary(ag: Autograd, m: ModelSpec, s: Shape, dim: int | None = None) -> tuple[Tensor, Tensor]:
     """LlamaRotaryEmbedding.forward under no_grad: positions as fp32 [P, 1, S] (P rows of position_ids),
     freqs = inv_freq [P, d/2, 1] @ positions [P, d/2, S], emb = cat(freqs, freqs) [P, S, d], cos and sin in
     fp32 times attention_scaling, cast to the training dtype. Returns (cos, sin) [P, S, d]; every layer's
-    RoPE saves them."""
-    d, rows = m.head_dim, s.pos_batch
+    RoPE saves them. ``dim``: the rotated dims when not all of head_dim (GPTNeoXRotaryEmbedding's
+    head_dim · partial_rotary_factor)."""
+    d, rows = dim or m.head_dim, s.pos_batch
     with_grad, ag.grad_enabled = ag.grad_enabled, False
     pos = ag.empty("rope.positions", B.FP32 * rows * s.seq)
     freqs = ag.empty("rope.freqs", B.FP32 * rows * (d // 2) * s.seq)
