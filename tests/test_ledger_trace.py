@@ -63,6 +63,10 @@ CASES = [
     ("gpt_neox", 2, 32, "bf16", "eager"),
     ("gpt_neox_sequential", 2, 32, "bf16", "sdpa"),
     ("gpt_neox_sequential", 1, 32, "fp32", "eager"),
+    ("bloom", 2, 32, "bf16", "eager"),
+    ("bloom", 1, 30, "fp16", "eager"),
+    ("bloom_dropout", 2, 32, "bf16", "eager"),
+    ("bloom_dropout", 1, 32, "fp32", "eager"),
 ]
 
 

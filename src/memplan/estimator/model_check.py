@@ -48,6 +48,9 @@ TINY = {
                             "num_attention_heads": 4, "intermediate_size": 160, "vocab_size": 200,
                             "max_position_embeddings": 256, "use_parallel_residual": False, "rotary_pct": 1.0,
                             "attention_bias": False, "hidden_dropout": 0.1, "attention_dropout": 0.1},
+    "bloom": {"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 4, "vocab_size": 200},
+    "bloom_dropout": {"model_type": "bloom", "hidden_size": 96, "n_layer": 2, "n_head": 6, "vocab_size": 200,
+                      "hidden_dropout": 0.1, "attention_dropout": 0.1},  # 6 heads: not a power of two
     "mixtral_top1": {**_LLAMA, "model_type": "mixtral", "intermediate_size": 48, "num_local_experts": 3,
                      "num_experts_per_tok": 1, "num_key_value_heads": 4},
 }
