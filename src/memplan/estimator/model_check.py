@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..hfconfig import model_from_config
 from ..ledger import Ledger
-from .autograd import Autograd
+from .autograd import Autograd, Tensor
 from .families import forward
 from .transformer import Net, Params, Shape
 
@@ -56,16 +56,16 @@ TINY = {
 }
 
 
-def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
-                 device: str = "cpu", sdpa_backend: str | None = None) -> list[tuple[int, str, int]]:
-    """(±bytes, name, partner) of one loss-loop micro-step of ``config`` as the autograd model issues it,
-    with the attention kernels ``device`` runs (``sdpa_backend``: one forced, as torch.nn.attention.sdpa_kernel
-    does); ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an
-    allocation)."""
+def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
+               device: str = "cpu", sdpa_backend: str | None = None) -> tuple[Ledger, dict[str, Tensor]]:
+    """The ledger of one loss-loop micro-step of ``config`` (forward, loss, backward) as the autograd model
+    issues it, with the attention kernels ``device`` runs (``sdpa_backend``: one forced, as
+    torch.nn.attention.sdpa_kernel does), and each parameter's gradient (what .grad keeps) by name."""
     spec = model_from_config(dict(config), "tiny", "tiny test config")
     b = DTYPE_BYTES[dtype]
     ledger = Ledger()
-    ag = Autograd(ledger, on_param_grad=lambda param, grad: None)  # param.grad keeps the stolen grad
+    grads: dict[str, Tensor] = {}
+    ag = Autograd(ledger, on_param_grad=lambda param, grad: grads.__setitem__(param.name, grad))
     params = Params(ag, spec, b, lambda name: True)
     out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params, attention=attention, device=device, dtype=dtype,
                       sdpa_backend=sdpa_backend))
@@ -73,6 +73,15 @@ def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attent
     loss = out.loss
     ag.backward(loss, 4)
     ag.release(loss)
+    return ledger, grads
+
+
+def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
+                 device: str = "cpu", sdpa_backend: str | None = None) -> list[tuple[int, str, int]]:
+    """(±bytes, name, partner) of ``micro_step``'s ledger in the form the CPU trace comparison uses:
+    ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an allocation);
+    kernel temporaries (.tmp) and scalars are left out."""
+    ledger, _ = micro_step(config, batch, seq, dtype, attention, device, sdpa_backend)
     events: list[tuple[int, str, int]] = []
     at: dict[int, int] = {}
     for ev in ledger.events:
