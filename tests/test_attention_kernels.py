@@ -160,3 +160,22 @@ def test_micro_step_frees_everything_but_parameter_grads(name, attention, device
     assert ledger.live() == {g.storage.tid for g in grads.values()}
     for pname, g in grads.items():
         assert g.storage.nbytes == params[pname], pname
+
+
+def test_cuda_trace_events_pair_frees_with_allocations():
+    from memplan.verify import cudatrace
+
+    entries = [{"action": "free_requested", "addr": 1, "size": 512},  # allocated before the recording
+               {"action": "alloc", "addr": 7, "size": 1024}, {"action": "segment_alloc", "addr": 0, "size": 4096},
+               {"action": "alloc", "addr": 9, "size": 512}, {"action": "free_requested", "addr": 7, "size": 1024},
+               {"action": "free_completed", "addr": 7, "size": 1024}, {"action": "alloc", "addr": 7, "size": 1536}]
+    assert cudatrace.net_events(entries) == [(1024, -1), (512, -1), (-1024, 0), (1536, -1)]
+
+
+def test_model_events_in_blocks_keep_kernel_temporaries():
+    cfg = model_check.TINY["llama_gqa"]
+    plain = model_check.model_events(cfg, 2, 32, device="cuda")
+    blocks = model_check.model_events(cfg, 2, 32, device="cuda", kernel_temporaries=True, blocks=True)
+    assert len(blocks) > len(plain)
+    assert all(abs(size) % 512 == 0 for size, _, _ in blocks)
+    assert any(name.endswith(".tmp") for _, name, _ in blocks)

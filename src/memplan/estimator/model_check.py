@@ -5,7 +5,7 @@ the CUDA kernels' internal temporaries (names ending in ".tmp") left out. Pure."
 from __future__ import annotations
 
 from ..hfconfig import model_from_config
-from ..ledger import Ledger
+from ..ledger import Ledger, block_bytes
 from .autograd import Autograd, Tensor
 from .families import forward
 from .transformer import Net, Params, Shape
@@ -77,22 +77,27 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
 
 
 def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
-                 device: str = "cpu", sdpa_backend: str | None = None) -> list[tuple[int, str, int]]:
-    """(±bytes, name, partner) of ``micro_step``'s ledger in the form the CPU trace comparison uses:
-    ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an allocation);
-    kernel temporaries (.tmp) and scalars are left out."""
+                 device: str = "cpu", sdpa_backend: str | None = None, kernel_temporaries: bool = False,
+                 blocks: bool = False) -> list[tuple[int, str, int]]:
+    """(±bytes, name, partner) of ``micro_step``'s ledger in the form the trace comparisons use:
+    ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an allocation).
+    Kernel temporaries (.tmp) and scalars are left out unless ``kernel_temporaries`` (the CUDA comparison,
+    memplan.verify.cudatrace); ``blocks``: sizes rounded to the caching allocator's 512-byte blocks."""
     ledger, _ = micro_step(config, batch, seq, dtype, attention, device, sdpa_backend)
     events: list[tuple[int, str, int]] = []
     at: dict[int, int] = {}
     for ev in ledger.events:
         tid = ev if ev >= 0 else ~ev
-        if ledger.names[tid].endswith(".tmp") or ledger.sizes[tid] <= SCALAR_BYTES:
+        size = block_bytes(ledger.sizes[tid]) if blocks else ledger.sizes[tid]
+        if not kernel_temporaries and (ledger.names[tid].endswith(".tmp") or ledger.sizes[tid] <= SCALAR_BYTES):
+            continue
+        if size == 0:
             continue
         if ev >= 0:
             at[tid] = len(events)
-            events.append((ledger.sizes[tid], ledger.names[tid], -1))
+            events.append((size, ledger.names[tid], -1))
         else:
-            events.append((-ledger.sizes[tid], ledger.names[tid], at[tid]))
+            events.append((-size, ledger.names[tid], at[tid]))
     return events
 
 

@@ -157,7 +157,12 @@ def packed_sequence_check(ag: Autograd, s: Shape) -> None:
     ag.release(prepended)
     ne = ag.empty("mask.positions_ne", rows * s.seq)
     packed = ag.empty("mask.packed_sequences", INT64 * rows * s.seq)
-    for t in (ne, first, diff, packed):
+    ag.release(ne)
+    last_zero = ag.empty("mask.last_is_zero", rows)  # (packed_sequence_mask[:, -1] == 0).all(): bool [B], 0-d
+    every = ag.empty("mask.all", 1)
+    ag.release(last_zero)
+    ag.release(every)
+    for t in (first, diff, packed):
         ag.release(t)
 
 
@@ -197,7 +202,9 @@ def causal_mask(net: Net) -> Tensor | None:
         ag.release(t)
     if net.attention != "eager":
         return mask
+    zero = ag.empty("mask.zero", s.b)  # torch.tensor(0.0, device=mask.device, dtype=dtype)
     out = ag.empty("mask.eager", s.b * s.batch * S * S)  # torch.where(mask, 0, min): [B, 1, S, S]
+    ag.release(zero)
     ag.release(mask)
     return out
 

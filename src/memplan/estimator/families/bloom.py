@@ -41,15 +41,17 @@ def alibi(net: Net) -> Tensor:
             ag.release(promoted)
         return powers, out
 
+    base = ag.empty("alibi.base", B.FP32)  # torch.full((), ...) on the device
     powers, slopes = pow_of(p2, "base")
     extra = []
     if p2 != nh:
+        extra.append(ag.empty("alibi.extra_base", B.FP32))
         extra_powers, extra_slopes = pow_of(min(p2, nh - p2), "extra")
         joined = ag.empty("alibi.slopes", B.FP32 * nh)  # torch.cat([slopes, pow(extra_base, extra_powers)])
         ag.release(extra_slopes)
         ag.release(slopes)
         slopes = joined
-        extra = [extra_powers]
+        extra.append(extra_powers)
     cum = ag.empty("alibi.cumsum", B.FP32 * rows * s.seq)
     minus = ag.empty("alibi.cumsum_minus_one", B.FP32 * rows * s.seq)
     ag.release(cum)
@@ -57,7 +59,7 @@ def alibi(net: Net) -> Tensor:
     ag.release(minus)
     full = ag.empty("alibi.fp32", B.FP32 * rows * nh * s.seq)
     out = ag.empty("alibi", s.b * rows * nh * s.seq) if s.b != B.FP32 else ag.view(full)  # .to(dtype)
-    for t in (powers, slopes, *extra, arange, full):
+    for t in (base, powers, slopes, *extra, arange, full):  # co_varnames order
         ag.release(t)
     return out
 
@@ -75,9 +77,11 @@ def causal_mask(net: Net, rows: int) -> Tensor:
         raw = ag.empty(f"mask.{which}_arange_raw", INT64 * S)
         idx.append(ag.empty(f"mask.{which}_arange", INT64 * S))
         ag.release(raw)
+    start = ag.empty("mask.and_start", 1)  # and_masks: q_idx.new_ones((), dtype=torch.bool)
     causal = ag.empty("mask.causal", S * S)
-    both = ag.empty("mask.and_causal", S * S)  # new_ones((), bool) & causal
+    both = ag.empty("mask.and_causal", S * S)  # start & causal
     ag.release(causal)
+    ag.release(start)
     padding = ag.empty("mask.padding", rows * S)  # padding_mask[batch_idx, kv_idx]: [B, 1, 1, S]
     mask = ag.empty("mask.and_padding", rows * S * S)
     ag.release(padding)
