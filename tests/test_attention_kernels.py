@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from memplan.estimator import blocks_attention as A
+from memplan.estimator import blocks_kernels as K
 from memplan.estimator import model_check
 from memplan.hfconfig import model_from_config
 from memplan.params import parameter_tensors
@@ -112,11 +113,11 @@ def test_cuda_efficient_pads_logsumexp_and_mask():
 
 def test_efficient_workspace_adds_gk_gv_when_the_output_leaves_registers():
     g = A.Geometry(1, 256, 2, 2, 128, B2)  # kernel 128x128, kMaxK 128 <= 128: kOutputInRF
-    assert A.efficient_workspace_bytes(g, 0.0) == F32 * 2 * 2 * (128 * 128 + 4)
+    assert K.efficient_workspace_bytes(g, 0.0) == F32 * 2 * 2 * (128 * 128 + 4)
     g = A.Geometry(1, 256, 2, 2, 160, B2)  # kernel 64x64 k65536: gk, gv accumulate in gmem
     gq = 4 * 3 * (64 * 64 + 4)
     gkv = 2 * 4 * 64 * 192
-    assert A.efficient_workspace_bytes(g, 0.0) == F32 * 2 * (gq + gkv)
+    assert K.efficient_workspace_bytes(g, 0.0) == F32 * 2 * (gq + gkv)
 
 
 def test_cuda_math_fallback_for_fp32_grouped_query_heads():
