@@ -46,7 +46,8 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tens
     rows = t * k
     expert_ids_g = ag.empty(f"{pre}.sorted_ids", INT64 * rows)  # torch.sort: values, then indices
     perm = ag.empty(f"{pre}.perm", INT64 * rows)
-    ag.release(ag.empty(f"{pre}.sort_arange.tmp", INT64 * rows))
+    if net.device == "cpu":  # the CPU sort's index arange; CUDA's cub radix sort temporaries are not modelled
+        ag.release(ag.empty(f"{pre}.sort_arange.tmp", INT64 * rows))
     token_of = ag.empty(f"{pre}.token_index", INT64 * rows)  # perm // num_top_k
     gathered = M.index_rows(ag, net, x, token_of, rows, b * h, f"{pre}.gathered")
     ag.release(token_of)
