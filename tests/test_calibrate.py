@@ -212,7 +212,7 @@ def test_estimate_refuses_a_bad_calibration_file(tmp_path, capsys, edit, field):
     capsys.readouterr()
     assert main([*ESTIMATE, "--calibration", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"--calibration {bad}: {field}" in err
+    assert err.count("\n") == 1 and f"--calibration {field}: " in err and str(bad) in err
 
 
 @pytest.mark.parametrize("text", ["{", "[]", None])
@@ -221,4 +221,5 @@ def test_estimate_refuses_unreadable_calibration(tmp_path, capsys, text):
     if text is not None:
         path.write_text(text)
     assert main([*ESTIMATE, "--calibration", str(path)]) == 2
-    assert capsys.readouterr().err.startswith(f"memplan: error: --calibration {path}")
+    err = capsys.readouterr().err
+    assert err.startswith("memplan: error: --calibration: ") and str(path) in err

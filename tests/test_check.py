@@ -63,7 +63,7 @@ def test_unreadable_input_exits_2(tmp_path, capsys):
     bad = tmp_path / "ds.json"
     bad.write_text("{not json")
     assert main(["check", "--ds-config", str(bad)]) == 2
-    assert "invalid JSON at line 1" in capsys.readouterr().err
+    assert "is not valid JSON (line 1 column" in capsys.readouterr().err
 
 
 def test_clean_config_exits_0(tmp_path, capsys):
@@ -230,3 +230,40 @@ def test_autotp_batch_counts_every_rank(tmp_path):
 
     assert "train_batch_size" not in findings(8)
     assert "train_batch_size" in findings(4)
+
+
+# ---- issue 16: ZeRO-3 and a padding row; config keys the new families' classes consume ----
+
+@pytest.mark.parametrize(("preset", "stage", "warned"), [
+    ("gemma-2-2b", 3, True), ("phi-3-mini", 3, True), ("olmo-2-7b", 3, True), ("gemma-2-2b", 2, False),
+    ("qwen3-30b-a3b", 3, False), ("deepseek-v3-4l", 3, False),
+])
+def test_zero3_with_a_padding_row_warns_with_the_workaround(preset, stage, warned):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}}
+    findings, _ = collect(cfg, None, load_model(preset), None, 8, 1024)
+    hits = [f for f in findings if f.subject == "model.pad_token_id"]
+    assert bool(hits) == warned
+    if warned:
+        assert hits[0].severity == "warning" and "IndexError" in hits[0].message
+        assert "HfDeepSpeedConfig" in hits[0].fix
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gemma-3-4b", "phi-3-mini", "olmo-2-1b", "llama-3-8b"])
+def test_keys_the_config_class_consumes_are_not_called_unknown(preset):
+    """head_dim (read by getattr in Qwen3Moe/Phi3/Olmo2Attention), sliding_window_pattern (Gemma3TextConfig
+    kwargs), rope_theta (convert_rope_params_to_dict) all change the model: no 'does nothing' warning."""
+    pytest.importorskip("transformers")
+    from memplan.check.rules_job import unknown_model_keys
+
+    raw = json.loads((Path(__file__).resolve().parents[1] / "models" / f"{preset}.json").read_text())
+    unknown = unknown_model_keys(raw, load_model(preset).family)
+    assert not {"head_dim", "sliding_window_pattern", "rope_theta", "rope_scaling", "partial_rotary_factor"} & set(
+        unknown)
+
+
+def test_gemma3_multimodal_config_keys_are_gemma3config_keys():
+    pytest.importorskip("transformers")
+    from memplan.check.rules_job import unknown_model_keys
+
+    raw = {"model_type": "gemma3", "text_config": {"hidden_size": 2560}, "vision_config": {}, "mm_tokens_per_image": 256}
+    assert unknown_model_keys(raw, "gemma3_text") == []

@@ -42,13 +42,13 @@ def test_invalid_json_names_line_and_column(tmp_path):
     p.write_text('{"a": 1,\n "b": }')
     with pytest.raises(InputError) as e:
         load_ds_config(p)
-    assert e.value.field == "ds-config"
-    assert "line 2 col 7" in str(e.value)
+    assert e.value.field == "--ds-config"
+    assert "line 2 column 7" in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_missing_file_and_non_object(tmp_path):
-    with pytest.raises(InputError, match="cannot read"):
+    with pytest.raises(InputError, match="no such file"):
         load_ds_config(tmp_path / "nope.json")
     p = tmp_path / "list.json"
     p.write_text("[1, 2]")
@@ -78,9 +78,48 @@ def test_invalid_values_name_the_key_path(cfg, field):
 
 
 def test_auto_in_a_section_means_deepspeeds_default():
-    s = ds_settings({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "train_batch_size": "auto"})
+    s = ds_settings({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "train_batch_size": "auto"},
+                    hf=True)
     assert s.reduce_bucket_size is None and s.train_batch_size is None
     assert "zero_optimization.reduce_bucket_size" in s.auto_keys and "train_batch_size" in s.auto_keys
+
+
+@pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"])
+def test_auto_batch_sizes_are_refused_without_the_hf_trainer(key):
+    """DeepSpeedConfig keeps a top-level "auto" as the string and _batch_assertion compares it with 0
+    (TypeError); only the HF Trainer fills it (HfTrainerDeepSpeedConfig.trainer_config_process)."""
+    with pytest.raises(InputError) as e:
+        ds_settings({key: "auto"})
+    assert e.value.field == key and "Hugging Face Trainer" in e.value.message
+    assert getattr(ds_settings({key: "auto"}, hf=True), {"train_batch_size": "train_batch_size",
+                   "train_micro_batch_size_per_gpu": "micro_batch", "gradient_accumulation_steps": "grad_accum"}[key]) \
+        is None
+
+
+@pytest.mark.parametrize("section", ["zero_optimization", "optimizer", "fp16", "bf16", "data_types",
+                                     "tensor_parallel", "activation_checkpointing"])
+@pytest.mark.parametrize("value", ["auto", None, 3, [1]])
+@pytest.mark.parametrize("hf", [False, True])
+def test_a_section_that_is_not_an_object_is_refused(section, value, hf):
+    """DeepSpeed 0.19.8 fails on each (DeepSpeedZeroConfig(**"auto"): TypeError; param_dict["optimizer"].keys():
+    AttributeError; ...), and so does the HF path (find_config_node calls .get on it). bf16: null falls back to
+    the old "bfloat16" key (get_bfloat16_config), so it is not an error."""
+    if section == "bf16" and value is None:
+        assert ds_settings({section: value}).dtype == "fp32"
+        return
+    with pytest.raises(InputError) as e:
+        ds_settings({section: value}, hf=hf)
+    assert e.value.field == section
+
+
+def test_what_deepspeed_accepts_is_accepted():
+    """"stage": "3" (pydantic's lax int in DeepSpeedZeroConfig), "auto" inside a section (dropped)."""
+    assert ds_settings({"zero_optimization": {"stage": "3"}}).zero_stage == 3
+    assert ds_settings({"zero_optimization": {"stage": 2, "reduce_bucket_size": "500"}}).reduce_bucket_size == 500
+    assert ds_settings({"zero_optimization": {"stage": 3, "offload_optimizer": "auto"}}).offload_optimizer is None
+    for bad in ("5e8", 1.5, "x"):  # pydantic refuses these, so DeepSpeed does
+        with pytest.raises(InputError):
+            ds_settings({"zero_optimization": {"reduce_bucket_size": bad}})
 
 
 def test_aliases_and_deprecated_keys():
@@ -109,7 +148,9 @@ def test_precision_defaults_to_fp32_without_fp16_or_bf16():
     assert ds_settings({}).dtype == "fp32"
     assert ds_settings({"bf16": {"enabled": True}}).dtype == "bf16"
     assert ds_settings({"bfloat16": {"enabled": True}}).dtype == "bf16"  # the old key
-    assert ds_settings({"bf16": {"enabled": "auto"}}).dtype is None
+    # "auto": DeepSpeedConfigModel drops it (fp16/bf16 off → fp32); the HF Trainer fills it (unknown here)
+    assert ds_settings({"bf16": {"enabled": "auto"}}).dtype == "fp32"
+    assert ds_settings({"bf16": {"enabled": "auto"}}, hf=True).dtype is None
 
 
 # Batch arithmetic, worked by hand (DeepSpeedConfig._set_batch_related_parameters):

@@ -232,3 +232,128 @@ def test_junk_values_never_escape_as_other_errors(family, key, value):
         assert "\n" not in str(err)
     else:  # a junk value can only be accepted where the family ignores the key (or None means "default")
         assert spec.family == family
+
+
+# ---- the families of issue 16: transformers' derivations, and their bad values ----
+
+def test_gemma_layer_types_and_gemma3_text_config_as_transformers():
+    g2 = {"model_type": "gemma2", "num_hidden_layers": 5}
+    g3 = {"model_type": "gemma3_text", "num_hidden_layers": 8, "sliding_window_pattern": 3, "sliding_window": 512}
+    for cfg in (g2, g3):
+        ours, hf = model_from_config(cfg, "t", "t"), _hf_config(cfg)
+        assert list(ours.layer_types) == hf.layer_types
+        assert [ours.is_sliding_layer(i) for i in range(ours.num_layers)] == [
+            t == "sliding_attention" for t in hf.layer_types]
+        assert (ours.sliding_window, ours.final_logit_softcapping, ours.query_pre_attn_scalar) == (
+            hf.sliding_window, hf.final_logit_softcapping, hf.query_pre_attn_scalar)
+        assert ours.pad_token_id == hf.pad_token_id and ours.scale_embeddings
+    assert model_from_config(g2, "t", "t").attn_logit_softcapping == _hf_config(g2).attn_logit_softcapping
+    wrapped = model_from_config({"model_type": "gemma3", "text_config": {k: v for k, v in g3.items()
+                                                                          if k != "model_type"}}, "t", "src")
+    assert wrapped.model_copy(update={"source": "src"}) == model_from_config(g3, "t", "src")
+    assert "vision tower" in wrapped.source
+    hf3 = _hf_config({"model_type": "gemma3", "text_config": {"num_hidden_layers": 8}}).text_config
+    assert list(model_from_config({"model_type": "gemma3", "text_config": {"num_hidden_layers": 8}}, "t",
+                                  "t").layer_types) == hf3.layer_types
+
+
+@pytest.mark.parametrize("cfg", [
+    {"model_type": "qwen3_moe", "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 4},
+    {"model_type": "qwen3_moe", "use_sliding_window": True, "sliding_window": 1024, "mlp_only_layers": [0, 3]},
+    {"model_type": "deepseek_v3", "num_local_experts": 64, "q_lora_rank": None, "num_key_value_heads": None},
+    {"model_type": "phi3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    {"model_type": "olmo2", "num_key_value_heads": 8},
+])
+def test_moe_mla_and_rope_fields_as_transformers(cfg):
+    ours, hf = model_from_config(cfg, "t", "t"), _hf_config(cfg)
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert ours.num_kv_heads == hf.num_key_value_heads
+    assert ours.sliding_window == getattr(hf, "sliding_window", None)
+    if ours.family == "qwen3_moe":
+        assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size) == (
+            hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size)
+        assert [ours.is_moe_layer(i) for i in range(ours.num_layers)] == [
+            i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0 for i in range(hf.num_hidden_layers)]
+    if ours.family == "deepseek_v3":
+        assert ours.num_experts == hf.n_routed_experts and ours.q_lora_rank == hf.q_lora_rank
+        assert ours.q_dim == hf.num_attention_heads * hf.qk_head_dim
+        assert [ours.is_moe_layer(i) for i in range(ours.num_layers)] == [
+            i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers)]
+    if ours.family == "phi3":
+        assert ours.rotary_pct == hf.rope_parameters["partial_rotary_factor"] and ours.fused_qkv
+
+
+NEW_FAMILY_BAD = [
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5}, "model.num_experts_per_tok"),
+    ({"model_type": "qwen3_moe", "num_local_experts": 4, "num_experts_per_tok": 5}, "model.num_experts_per_tok"),
+    ({"model_type": "deepseek_v3", "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 9},
+     "model.num_experts_per_tok"),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 0}, "model.kv_lora_rank"),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": None}, "model.kv_lora_rank"),
+    ({"model_type": "deepseek_v3", "q_lora_rank": 0}, "model.q_lora_rank"),
+    ({"model_type": "deepseek_v3", "n_group": 3}, "model.n_group"),
+    ({"model_type": "deepseek_v3", "topk_group": 9}, "model.topk_group"),
+    ({"model_type": "deepseek_v3", "num_key_value_heads": 8}, "model.num_key_value_heads"),
+    ({"model_type": "deepseek_v3", "first_k_dense_replace": -1}, "model.first_k_dense_replace"),
+    ({"model_type": "gemma2", "sliding_window": 0}, "model.sliding_window"),
+    ({"model_type": "gemma2", "sliding_window": None}, "model.sliding_window"),
+    ({"model_type": "gemma3_text", "sliding_window": 0}, "model.sliding_window"),
+    ({"model_type": "gemma3", "text_config": {"sliding_window": 0}}, "model.text_config.sliding_window"),
+    ({"model_type": "gemma3", "text_config": [1]}, "model.text_config"),
+    ({"model_type": "gemma3_text", "sliding_window_pattern": 0}, "model.sliding_window_pattern"),
+    ({"model_type": "gemma2", "num_hidden_layers": 2, "layer_types": ["full_attention"]}, "model.layer_types"),
+    ({"model_type": "gemma2", "layer_types": "sliding"}, "model.layer_types"),
+    ({"model_type": "gemma2", "final_logit_softcapping": 0}, "model.final_logit_softcapping"),
+    ({"model_type": "gemma2", "num_attention_heads": 7, "num_key_value_heads": 1}, "model.num_attention_heads"),
+    ({"model_type": "gemma2", "use_bidirectional_attention": True}, "model.use_bidirectional_attention"),
+    ({"model_type": "phi3", "sliding_window": 0}, "model.sliding_window"),
+    ({"model_type": "phi3", "vocab_size": 100}, "model.pad_token_id"),
+    ({"model_type": "phi3", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "model.rope_scaling"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0}, "model.partial_rotary_factor"),
+    ({"model_type": "qwen3_moe", "use_sliding_window": True, "sliding_window": 0}, "model.sliding_window"),
+    ({"model_type": "qwen3_moe", "decoder_sparse_step": 0}, "model.decoder_sparse_step"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [-1]}, "model.mlp_only_layers"),
+    ({"model_type": "qwen3_moe", "router_aux_loss_coef": -1}, "model.router_aux_loss_coef"),
+    ({"model_type": "olmo2", "pad_token_id": 50304}, "model.pad_token_id"),
+    ({"model_type": "olmo2", "hidden_size": 16}, "model.num_attention_heads"),
+    ({"model_type": "llama", "vocab_size": 8, "pad_token_id": 8}, "model.pad_token_id"),
+]
+
+
+@pytest.mark.parametrize(("cfg", "field"), NEW_FAMILY_BAD)
+def test_bad_new_family_config_names_the_key(cfg, field):
+    with pytest.raises(InputError) as err:
+        model_from_config(cfg, "bad", "test")
+    assert err.value.field == field
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("cfg", "field"), [case for case in NEW_FAMILY_BAD if case[1] in (
+    "model.num_experts_per_tok", "model.kv_lora_rank", "model.sliding_window", "model.text_config.sliding_window")])
+def test_bad_new_fields_exit_2_with_one_line(tmp_path, cfg, field):
+    """`memplan estimate --model CONFIG.json` on the issue's bad values: exit 2, one line naming model.<key>."""
+    from test_bad_input import run_main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = run_main(["estimate", "--model", str(path), "--seq", "1024", "--gpus", "8", "--sp", "1"])
+    assert rc == 2 and out == ""
+    # the CLI names a config key under its flag: model.<key> is shown as "--model <key>"
+    shown = field.replace("model.", "--model ", 1)
+    assert err.count("\n") == 1 and err.startswith(f"memplan: error: {shown}: "), err
+
+
+@settings(max_examples=150, deadline=None)
+@given(family=st.sampled_from(["gemma2", "gemma3_text", "gemma3", "phi3", "qwen3_moe", "olmo2", "deepseek_v3"]),
+       key=st.sampled_from(["layer_types", "sliding_window", "final_logit_softcapping", "mlp_only_layers",
+                            "decoder_sparse_step", "num_experts", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
+                            "n_group", "topk_group", "first_k_dense_replace", "pad_token_id", "rope_scaling",
+                            "text_config", "head_dim", "norm_topk_prob", "moe_intermediate_size"]),
+       value=_junk)
+def test_junk_in_new_fields_never_escapes(family, key, value):
+    try:
+        spec = model_from_config({"model_type": family, key: value}, "junk", "test")
+    except InputError as err:
+        assert "\n" not in str(err)
+    else:
+        assert spec.family in (family, "gemma3_text")

@@ -79,15 +79,40 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("tiny", "batch", "seq", "dtype", "attention"), CASES)
-def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention):
+#: the same, every decoder layer checkpointed the non-reentrant way (transformers' gradient_checkpointing_enable
+#: with use_reentrant=False, its default): the forward keeps handles, the backward recomputes each layer
+CHECKPOINTED = [
+    ("llama", 1, 128, "bf16", "sdpa"),
+    ("llama", 2, 64, "bf16", "sdpa"),
+    ("llama_gqa", 2, 32, "bf16", "eager"),
+    ("llama_tied", 2, 32, "fp32", "sdpa"),
+    ("mistral", 2, 32, "bf16", "sdpa"),
+    ("mistral", 1, 32, "fp16", "eager"),
+    ("qwen2", 2, 32, "bf16", "sdpa"),
+    ("qwen3", 1, 32, "bf16", "sdpa"),
+    ("mixtral", 2, 32, "bf16", "sdpa"),
+    ("mixtral_top1", 1, 32, "fp32", "eager"),
+    ("gpt2", 2, 32, "bf16", "sdpa"),
+    ("gpt2_nodrop", 2, 32, "bf16", "eager"),
+    ("gpt_neox", 2, 32, "bf16", "sdpa"),
+    ("gpt_neox_sequential", 1, 32, "fp32", "eager"),
+    ("bloom", 2, 32, "bf16", "eager"),
+    ("bloom_dropout", 1, 32, "bf16", "eager"),
+]
+
+
+@pytest.mark.parametrize(("tiny", "batch", "seq", "dtype", "attention", "checkpointing"),
+                         [(*c, False) for c in CASES] + [(*c, True) for c in CHECKPOINTED])
+def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, checkpointing):
     cfg = model_check.TINY[tiny]
     attention, _, kernel = attention.partition(":")
     model = cputrace.tiny_causal_lm(cfg, dtype, attention)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     step = cputrace.micro_step(model, batch, seq, cfg["vocab_size"], sdpa_backend=kernel or None)
     real = cputrace.net_events(cputrace.record(step))
     predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
-                                         sdpa_backend=kernel or None)
+                                         sdpa_backend=kernel or None, checkpointing=checkpointing)
     first = model_check.first_mismatch(real, predicted)
     assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")

@@ -16,6 +16,11 @@ REQUIRED = {
     "llama-3-405b", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "mixtral-8x7b",
     "qwen3-0.6b", "qwen3-1.7b", "pythia-1b", "bloom-560m", "bloom-1b7", "gpt2-xl", "gpt2-large", "tinymixtral",
 }
+#: issue 16's families
+REQUIRED_FAMILIES = {
+    "gemma-2-2b", "gemma-2-9b", "gemma-3-4b", "phi-3-mini", "phi-3-medium", "qwen3-30b-a3b", "olmo-2-1b", "olmo-2-7b",
+    "deepseek-v3", "deepseek-v3-4l",
+}
 
 #: published parameter counts, exact (each model's Hugging Face page "Model size" / safetensors total, or paper)
 PUBLISHED_EXACT = {
@@ -37,6 +42,13 @@ PUBLISHED_EXACT = {
     "bloom-1b7": 1_722_408_960,  # bigscience/bloom-1b7 model card
     "gpt2-xl": 1_557_611_200,  # openai-community/gpt2-xl
     "gpt2-large": 774_030_080,  # openai-community/gpt2-large
+    "gemma-2-2b": 2_614_341_888,  # google/gemma-2-2b
+    "gemma-2-9b": 9_241_705_984,  # google/gemma-2-9b
+    "phi-3-mini": 3_821_079_552,  # microsoft/Phi-3-mini-4k-instruct
+    "phi-3-medium": 13_960_238_080,  # microsoft/Phi-3-medium-4k-instruct
+    "qwen3-30b-a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B
+    "olmo-2-1b": 1_484_916_736,  # allenai/OLMo-2-0425-1B
+    "olmo-2-7b": 7_298_617_344,  # allenai/OLMo-2-1124-7B
 }
 
 #: published only as a rounded size: (nominal params, relative tolerance the rounding allows)
@@ -46,14 +58,42 @@ PUBLISHED_NOMINAL = {
     "qwen3-0.6b": (0.6e9, 0.05),  # Qwen/Qwen3-0.6B: "Number of Parameters: 0.6B"
     "qwen3-1.7b": (1.7e9, 0.05),  # Qwen/Qwen3-1.7B: "Number of Parameters: 1.7B"
     "tinymixtral": (1e9, 0.10),  # invented: "~1B"
+    # google/gemma-3-4b-pt: "4B" with its ~0.42B SigLIP vision tower, which the text preset leaves out
+    "gemma-3-4b": (3.9e9, 0.01),
+    # deepseek-ai/DeepSeek-V3: "671B total" for the main model (the 14B multi-token-prediction module aside)
+    "deepseek-v3": (671e9, 0.001),
 }
 
 
 def test_required_presets_exist():
     assert REQUIRED <= set(list_presets())
+    assert REQUIRED_FAMILIES <= set(list_presets())
 
 
-@pytest.mark.parametrize("name", sorted(REQUIRED))
+@pytest.mark.parametrize("name", sorted(REQUIRED_FAMILIES))
+def test_family_preset_source_and_count_on_meta(name):
+    """Each issue-16 preset names its Hugging Face repository, and transformers builds exactly count_params."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from memplan.hfconfig import transformers_config
+
+    transformers.logging.set_verbosity_error()
+    cfg = json.loads((PRESETS_DIR / f"{name}.json").read_text())
+    assert "/" in cfg["_memplan_source"].split()[0] or cfg["_memplan_source"].startswith("INVENTED")
+    config = transformers.AutoConfig.for_model(**transformers_config(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == count_params(load_model(name)).total_params
+
+
+def test_cut_deepseek_is_dense_then_moe():
+    m, full = load_model("deepseek-v3-4l"), load_model("deepseek-v3")
+    assert "INVENTED" in m.source and m.num_layers == 4 and full.num_layers == 61
+    assert [m.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
+    assert m.model_copy(update={"num_layers": 61}) == full.model_copy(update={"name": m.name, "source": m.source})
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED | REQUIRED_FAMILIES))
 def test_preset_records_its_source_and_type(name):
     cfg = json.loads((PRESETS_DIR / f"{name}.json").read_text())
     assert len(cfg["_memplan_source"]) > 20

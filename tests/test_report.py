@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
+
+from memplan.errors import InputError
 
 pytest.importorskip("matplotlib")
 
@@ -49,21 +52,30 @@ def test_no_staging_folder_left(small_report):
     assert not [p for p in small_report.iterdir() if p.name.startswith(".memplan-report-")]
 
 
-def test_a_failed_write_leaves_nothing_half_written(tmp_path, monkeypatch):
-    """Everything is staged before anything is moved: a failure while staging leaves the folder as it was."""
+@pytest.mark.parametrize("stage", ["staging", "moving"])
+def test_a_failed_write_leaves_nothing_half_written(tmp_path, monkeypatch, stage):
+    """Everything is staged before anything is moved, and a move that fails puts back what was moved: a
+    failure at either stage leaves the folder as it was (memplan.outputs.write_files)."""
+    from memplan import outputs
+
     (tmp_path / "page.md").write_text("old page\n")
     calls = {"n": 0}
-    real = Path.write_bytes
+    real_write, real_replace = outputs._write_new, os.replace
 
-    def failing(self, data):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise OSError(28, "No space left on device")
-        return real(self, data)
+    def failing(real):
+        def call(*args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(28, "No space left on device")
+            return real(*args)
+        return call
 
-    monkeypatch.setattr(Path, "write_bytes", failing)
+    if stage == "staging":
+        monkeypatch.setattr(outputs, "_write_new", failing(real_write))
+    else:
+        monkeypatch.setattr(outputs.os, "replace", failing(real_replace))
     files = {"page/a.png": b"a", "page/a.svg": b"b", "page.md": b"new page\n", "page.html": b"<html>"}
-    with pytest.raises(OSError):
+    with pytest.raises(InputError, match="nothing was written"):
         write.write_atomically(str(tmp_path), files)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.md"]
     assert (tmp_path / "page.md").read_text() == "old page\n"

@@ -12,7 +12,7 @@ import pytest
 
 from memplan.specs import Job, Layout, ModelSpec, TrainingSpec, ZeroSpec
 from memplan.units import GiB
-from memplan.verify import batch, command, compare, report, runner, worker
+from memplan.verify import batch, compare, report, runner, worker
 
 TINY = ModelSpec(
     name="tiny", family="llama", hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=4, head_dim=16,
@@ -105,11 +105,10 @@ def test_report_files_are_written_atomically(tmp_path):
 
 
 def test_command_rejects_bad_layers_with_exit_2(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    command.add_arguments(parser)
-    args = parser.parse_args(["--model", "llama-3.2-1b", "--seq", "128", "--gpus", "1", "--sp", "1",
-                              "--zero", "0", "--offload-optimizer", "none", "--layers", "40", "--out", str(tmp_path)])
-    assert command.run(args, []) == 2
+    from memplan.cli import main
+
+    assert main(["verify", "--model", "llama-3.2-1b", "--seq", "128", "--gpus", "1", "--sp", "1", "--zero", "0",
+                 "--offload-optimizer", "none", "--layers", "40", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--layers" in err[0]
 

@@ -3,17 +3,27 @@
 Each row is one `memplan verify` report (JSON lines, one object a line) with the Job, the environment,
 the exact command and the measured peaks. A row measured at reduced depth (``layers``) is compared at
 each depth it was measured at, with the model cut to that many layers.
+
+Rows drawn by memplan.verify.sample carry ``"split"``: "fit" (the model may be tuned on them) or "check"
+(held out: the README quotes it); hand-written rows have none and report as HAND_WRITTEN. `by_group` gives
+median and worst |error| per split or per loop. `python -m memplan.accuracy [--split fit|check] [--loop L]
+[PATH ...]` prints the table (default: benchmarks/accuracy/).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .specs import Job
+
+#: the split of a row that carries none (the hand-written matrices)
+HAND_WRITTEN = "hand-written"
+SPLITS = ("fit", "check")
 
 
 @dataclass(frozen=True)
@@ -25,19 +35,32 @@ class Comparison:
     predicted_bytes: int
     measured_phase: str | None
     predicted_phase: str
+    split: str = HAND_WRITTEN
+    loop: str = "loss"
+    measured_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved() (None: not recorded)
+    predicted_reserved_bytes: int | None = None
 
     @property
     def error(self) -> float:
-        """Signed relative error of the prediction: (predicted − measured) / measured."""
+        """Signed relative error of the peak allocated prediction: (predicted − measured) / measured."""
         return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+    @property
+    def reserved_error(self) -> float | None:
+        """Signed relative error of the peak reserved prediction (None where the row recorded no reserved)."""
+        if not self.measured_reserved_bytes or self.predicted_reserved_bytes is None:
+            return None
+        return (self.predicted_reserved_bytes - self.measured_reserved_bytes) / self.measured_reserved_bytes
 
 
 def iter_rows(folder: Path) -> Iterator[dict]:
-    """Every row of every rows*.jsonl file under ``folder``, in file order."""
-    for path in sorted(folder.glob("rows*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)
+    """Every row of every rows*.jsonl file under ``folder`` (or of the file ``folder``), in file order."""
+    from .inputs import read_json_lines
+
+    paths = [folder] if folder.is_file() else sorted(folder.glob("rows*.jsonl"))
+    for path in paths:
+        for _, row in read_json_lines(path, "rows"):
+            yield row
 
 
 def job_of_row(row: dict) -> Job:
@@ -47,9 +70,10 @@ def job_of_row(row: dict) -> Job:
     from .presets import load_model
 
     raw = row.get("job") or {}
-    if "loop" not in (raw.get("training") or {}):
+    training = raw.get("training", {}) if isinstance(raw, dict) else None
+    if isinstance(training, dict) and "loop" not in training:
         # rows measured before verify ran other loops: its worker kept only the loss (``loss = engine(...).loss``)
-        raw = {**raw, "training": {**raw.get("training", {}), "loop": "loss"}}
+        raw = {**raw, "training": {**training, "loop": "loss"}}
     job = Job.model_validate(raw)
     try:
         model = load_model(job.model.name)
@@ -58,16 +82,17 @@ def job_of_row(row: dict) -> Job:
     return job.model_copy(update={"model": model.model_copy(update={"num_layers": job.model.num_layers})})
 
 
-def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, str | None]]:
+def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, int | None, str | None]]:
+    """(name, job, peak allocated, peak reserved, peak phase) of each depth the row measured."""
     job = job_of_row(row)
     layers = row.get("layers")
     if layers and layers.get("measured"):
         for m in layers["measured"]:
             cut = job.model.model_copy(update={"num_layers": m["num_layers"]})
             yield (f"{row['name']}@{m['num_layers']}L", job.model_copy(update={"model": cut}),
-                   m["peak_allocated_bytes"], m.get("peak_phase"))
+                   m["peak_allocated_bytes"], m.get("peak_reserved_bytes"), m.get("peak_phase"))
     else:
-        yield row["name"], job, row["peak_allocated_bytes"], row.get("peak_phase")
+        yield row["name"], job, row["peak_allocated_bytes"], row.get("peak_reserved_bytes"), row.get("peak_phase")
 
 
 def compare_rows(rows) -> list[Comparison]:
@@ -78,14 +103,111 @@ def compare_rows(rows) -> list[Comparison]:
     for row in rows:
         if row.get("status") != "ok":
             continue
-        for name, job, measured, phase in _measured_points(row):
+        for name, job, measured, reserved, phase in _measured_points(row):
             never_stepped = row.get("skipped_steps", 0) >= row.get("steps", 3)
-            q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped)
-            out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase))
+            q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped,
+                           skipped=skipped_steps(row))
+            out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase,
+                                  split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop,
+                                  measured_reserved_bytes=reserved, predicted_reserved_bytes=q.peak_reserved_bytes))
     return out
 
 
+def skipped_steps(row: dict) -> tuple[int, ...]:
+    """The indices of the measured optimizer steps the fp16 loss scaler skipped: the row's own record, or (rows
+    measured before verify recorded which) the first ``skipped_steps`` of them."""
+    if row.get("skipped_step_indices") is not None:
+        return tuple(row["skipped_step_indices"])
+    count = int(row.get("skipped_steps") or 0)
+    steps = int(row.get("steps") or 3)
+    if not count or count >= steps:
+        return tuple(range(min(count, steps)))
+    # older rows: the first step that succeeded is the one whose end holds more than its backward's end (the
+    # optimizer created its states); the steps before it were skipped, the remaining skips came last
+    ends = {p["name"]: p.get("allocated_end_bytes") or 0 for p in row.get("phases") or []}
+    micro = int((row.get("job") or {}).get("training", {}).get("grad_accum", 1)) - 1
+    first = next((s for s in range(steps) if ends.get(f"step{s}.micro{micro}.step", 0)
+                  > ends.get(f"step{s}.micro{micro}.backward", 0)), 0)
+    skipped = list(range(first))
+    skipped += list(range(steps - (count - len(skipped)), steps)) if count > len(skipped) else []
+    return tuple(sorted(set(skipped)))
+
+
 def summary(comparisons: list[Comparison]) -> tuple[float, float]:
-    """(median |error|, worst |error|)."""
+    """(median |error|, worst |error|) of peak allocated."""
     errs = [abs(c.error) for c in comparisons]
     return statistics.median(errs), max(errs)
+
+
+def reserved_summary(comparisons: list[Comparison]) -> tuple[int, float, float, float]:
+    """(points with a reserved figure, median |error|, worst |error|, worst under-prediction ≥ 0) of peak
+    reserved; (0, 0, 0, 0) when none has one."""
+    errs = [e for e in (c.reserved_error for c in comparisons) if e is not None]
+    if not errs:
+        return 0, 0.0, 0.0, 0.0
+    return len(errs), statistics.median(abs(e) for e in errs), max(abs(e) for e in errs), max(0.0, -min(errs))
+
+
+def by_group(comparisons: Iterable[Comparison], key: str) -> dict[str, tuple[int, float, float]]:
+    """{split or loop: (points, median |error|, worst |error|)} of peak allocated; ``key``: "split" or "loop"."""
+    groups: dict[str, list[Comparison]] = {}
+    for c in comparisons:
+        groups.setdefault(getattr(c, key), []).append(c)
+    return {k: (len(v), *summary(v)) for k, v in sorted(groups.items())}
+
+
+def select(comparisons: Iterable[Comparison], split: str | None = None, loop: str | None = None) -> list[Comparison]:
+    """The comparisons of one split and/or one loop."""
+    return [c for c in comparisons if (split is None or c.split == split) and (loop is None or c.loop == loop)]
+
+
+def table_lines(comparisons: list[Comparison]) -> list[str]:
+    """The accuracy table, worst first, then the whole and per-split / per-loop summaries."""
+    from .units import GiB
+
+    head = (f"{'job':48} {'split':12} {'loop':10} {'measured GiB':>12} {'predicted GiB':>13} {'error':>8} "
+            f"{'reserved GiB':>12} {'error':>8}  ")
+    lines = [head + "phase (meas / pred)"]
+    for c in sorted(comparisons, key=lambda c: abs(c.error), reverse=True):
+        rerr = c.reserved_error
+        lines.append(f"{c.name:48} {c.split:12} {c.loop:10} {c.measured_bytes / GiB:12.3f} "
+                     f"{c.predicted_bytes / GiB:13.3f} {c.error:+8.2%} {(c.measured_reserved_bytes or 0) / GiB:12.3f} "
+                     f"{'' if rerr is None else format(rerr, '+8.2%'):>8}  {c.measured_phase} / {c.predicted_phase}")
+    if not comparisons:
+        return lines + ["0 points"]
+    median, worst = summary(comparisons)
+    n, rmed, rworst, under = reserved_summary(comparisons)
+    lines.append(f"{len(comparisons)} points: median |error| {median:.2%}, worst {worst:.2%}; reserved ({n} "
+                 f"points): median {rmed:.2%}, worst {rworst:.2%}, most under {under:.2%}")
+    for key in ("split", "loop"):
+        groups: dict[str, list[Comparison]] = {}
+        for c in comparisons:
+            groups.setdefault(getattr(c, key), []).append(c)
+        for name, group in sorted(groups.items()):
+            med, wst = summary(group)
+            n, rmed, rworst, under = reserved_summary(group)
+            lines.append(f"  {key} {name}: {len(group)} points, median |error| {med:.2%}, worst {wst:.2%}; "
+                         f"reserved median {rmed:.2%}, worst {rworst:.2%}, most under {under:.2%}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the accuracy table of committed (or given) verify rows, optionally one split / loop only."""
+    p = argparse.ArgumentParser(prog="python -m memplan.accuracy", description=main.__doc__)
+    p.add_argument("paths", nargs="*", help="rows*.jsonl files or folders (default: benchmarks/accuracy/)")
+    p.add_argument("--split", choices=(*SPLITS, HAND_WRITTEN), help="only rows of this split")
+    p.add_argument("--loop", choices=("outputs", "loss", "hf-trainer"), help="only rows of this loop")
+    args = p.parse_args(argv)
+    paths = [Path(x) for x in args.paths] or [Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy"]
+    for path in paths:
+        if not path.exists():
+            sys.stderr.write(f"memplan: error: paths: {str(path)[:80]!r} does not exist; allowed: rows*.jsonl "
+                             "files or folders\n")
+            return 2
+    comparisons = select(compare_rows(r for path in paths for r in iter_rows(path)), args.split, args.loop)
+    print("\n".join(table_lines(comparisons)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

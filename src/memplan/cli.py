@@ -36,7 +36,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _usage_error(message: str) -> UsageError:
-    """argparse's message as (field, what is allowed)."""
+    """argparse's message as (field, what is allowed), every value in it shortened (memplan.errors.shorten)."""
+    from .errors import shorten
+
     message = " ".join(str(message).split())
     if message.startswith("argument "):
         field, _, rest = message[len("argument "):].partition(": ")
@@ -45,14 +47,20 @@ def _usage_error(message: str) -> UsageError:
             field, rest = "command", rest + f"; allowed: {', '.join(COMMANDS)}"
         choice = re.match(r"invalid choice: (.*) \(choose from (.*)\)$", rest)
         if choice:
-            rest = f"invalid choice {choice.group(1)}; allowed: {choice.group(2).replace(chr(39), '')}"
+            got = choice.group(1)
+            got = shorten(got[1:-1]) if len(got) > 2 and got[0] == got[-1] == "'" else shorten(got)
+            rest = f"invalid choice {got}; allowed: {choice.group(2).replace(chr(39), '')}"
+        invalid = re.match(r"invalid (\S+) value: (.*)$", rest)
+        if invalid:
+            rest = f"invalid value {shorten(invalid.group(2)[1:-1])}; see --help for what is allowed"
         if rest == "expected one argument":
             rest = "needs a value; see --help for what is allowed"
         return UsageError(field, rest)
     if message.startswith("unrecognized arguments: "):
         first = message[len("unrecognized arguments: "):].split(" ")[0]
         what = "unknown option" if first.startswith("-") else "unexpected argument"
-        return UsageError(first, f"{what}; see memplan <command> --help for the allowed flags")
+        return UsageError(shorten(first)[1:-1] if len(first) > 60 else first,
+                          f"{what}; see memplan <command> --help for the allowed flags")
     if message.startswith("the following arguments are required: "):
         return UsageError(message.split(": ", 1)[1].split(",")[0], "required")
     return UsageError("command line", message)
@@ -69,6 +77,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from .api import estimate
     from .options import job_from_args
 
+    if args.report is not None:  # refused before any work, so that nothing is printed or written
+        from .outputs import check_folder
+
+        check_folder(args.report, "--report")
     job = job_from_args(args)
     target = _target_bytes(args.target)
     gpu = None
@@ -81,34 +93,26 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from .calibrate.files import apply_file
 
         est = apply_file(est, args.calibration)
+    if args.report:  # issue 6: the same page `memplan report` writes (needs the report extra); written first,
+        from .report.command import write_estimate_report  # so a failed write prints nothing
+
+        write_estimate_report(est, args.report, flag="--report")
     from . import render
 
     if args.json:
         render.write_json(est, sys.stdout)
     else:
         render.render_estimate(est)
-    if args.report:  # issue 6: the same page `memplan report` writes (needs the report extra)
-        from .report.command import write_estimate_report
-
-        write_estimate_report(est, args.report)
     return 0
 
 
-def _target_bytes(text: str | None) -> int | None:
-    """--target SIZE: a size with a unit (a bare number would silently mean bytes)."""
+def _target_bytes(text: str | None, flag: str = "--target") -> int | None:
+    """--target SIZE: a size with a unit (memplan.bounds.size: the one size rule of every command)."""
     if text is None:
         return None
-    from .errors import InputError
-    from .units import parse_size_bytes
+    from .bounds import size
 
-    allowed = "allowed: a positive size with a unit, such as 24GiB or 80GB"
-    shown = repr(text[:40]) + ("…" if len(text) > 40 else "")
-    if not any(c.isalpha() for c in text):
-        raise InputError("--target", f"{shown} has no unit; {allowed}")
-    try:
-        return parse_size_bytes(text)
-    except (ValueError, OverflowError):
-        raise InputError("--target", f"{shown} is not a size; {allowed}") from None
+    return size(text, flag)
 
 
 def _add_estimate(sub) -> None:
@@ -185,7 +189,9 @@ def _dispatch(argv: list[str]) -> int:
             build_parser().parse_args(argv)
         raise UsageError("command", f"missing; allowed: {', '.join(COMMANDS)}")
     if command not in COMMANDS:
-        raise UsageError("command", f"unknown command {command!r}; allowed: {', '.join(COMMANDS)}")
+        from .errors import shorten
+
+        raise UsageError("command", f"unknown command {shorten(command)}; allowed: {', '.join(COMMANDS)}")
     if command in LAZY_COMMANDS and command_module(command) is None:
         raise UsageError(command, "not available in this build")
     try:
@@ -196,26 +202,26 @@ def _dispatch(argv: list[str]) -> int:
 
 
 def _error_line(exc: BaseException) -> str:
-    """One line for any failure main catches."""
-    from .errors import InputError
+    """One line for any failure main catches (memplan.errors.one_line: values and the line cut)."""
+    from .errors import InputError, one_line, shorten
 
     if isinstance(exc, (UsageError, InputError)):
-        return f"{exc.field}: {exc.message}"
+        return one_line(f"{exc.field}: {exc.message}")
     if isinstance(exc, OSError):
-        name = exc.filename if exc.filename is not None else "file"
-        return f"{name}: cannot read ({exc.strerror or exc}); allowed: a readable file"
+        name = shorten(str(exc.filename), 80) if exc.filename is not None else "file"
+        return one_line(f"{name}: cannot read or write ({exc.strerror or exc}); allowed: a readable file")
     if isinstance(exc, UnicodeError):
-        return f"input: not UTF-8 text ({exc}); allowed: a UTF-8 JSON file"
+        return one_line(f"input: not UTF-8 text ({exc}); allowed: a UTF-8 JSON file")
     if isinstance(exc, RecursionError):
         return "input: nested too deeply; allowed: an ordinary JSON object"
     if type(exc).__name__ == "ValidationError":
         from .errors import from_pydantic
 
         err = from_pydantic(exc)
-        return f"{err.field}: {err.message}"
+        return one_line(f"{err.field}: {err.message}")
     if type(exc).__name__ == "JSONDecodeError":
-        return f"input: invalid JSON ({exc}); allowed: a JSON object"
-    return f"internal: {type(exc).__name__}: {exc} (a memplan bug; please report it)"
+        return one_line(f"input: invalid JSON ({exc}); allowed: a JSON object")
+    return one_line(f"internal: {type(exc).__name__}: {exc} (a memplan bug; please report it)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{PROG}: error: interrupted\n")
         return 130
     except Exception as exc:  # noqa: BLE001 - every other failure: one line, exit 2, never a traceback
-        line = " ".join(_error_line(exc).split())
-        sys.stderr.write(f"{PROG}: error: {line}\n")
+        sys.stderr.write(f"{PROG}: error: {_error_line(exc)}\n")
         return 2
 
 if __name__ == "__main__":

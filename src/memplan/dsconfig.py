@@ -9,24 +9,31 @@ How DeepSpeed reads each part (paths relative to the deepspeed package):
 - Sections (zero_optimization, offload_*, fp16, bf16, tensor_parallel) are DeepSpeedConfigModel subclasses
   (runtime/config_utils.py): ``"auto"`` values are dropped before validation, so "auto" means the default.
   Field aliases and field names are both accepted (``populate_by_name=True``).
-- Top-level scalars are read with ``get_scalar_param`` (a dict lookup): "auto" there is left for the
-  Hugging Face / Accelerate integration to fill; here it counts as not set.
-- Batch sizes: DeepSpeedConfig._set_batch_related_parameters derives the missing ones from the
-  data-parallel world size, then _batch_assertion requires train = micro × accum × dp.
+- A section that is not an object (``"zero_optimization": "auto"``, ``"fp16": "auto"``, ``"optimizer": "auto"``,
+  null) is refused: DeepSpeed calls ``DeepSpeedZeroConfig(**value)`` (TypeError) or ``value.keys()`` /
+  ``.get`` (AttributeError) on it; so does HfDeepSpeedConfig.find_config_node on the Hugging Face path.
+- Top-level scalars (``get_scalar_param``, a dict lookup) are compared as they are: a batch size that is a
+  string, "auto" included, fails ``_batch_assertion`` (TypeError). On the Hugging Face Trainer path
+  (``hf=True``) "auto" is filled from TrainingArguments first (HfTrainerDeepSpeedConfig.trainer_config_process)
+  and counts as not set here; ``fp16.enabled: "auto"`` is dropped (fp16 off) on the plain path.
+- Batch sizes: memplan.dsbatch (DeepSpeedConfig._set_batch_related_parameters, _batch_assertion).
 - Optimizer: DeepSpeedEngine._configure_basic_optimizer / get_optimizer_configuration (runtime/engine.py).
 
-Leniency: unknown keys are ignored here (``memplan check`` reports them); numbers written as 1e9 are ints.
+Integers in sections are read with pydantic's lax int, DeepSpeed's own parse (``"stage": "3"``, ``"500"`` and
+5e8 are ints; ``"5e8"`` and 1.5 are not), then bounded (memplan.bounds). Unknown keys are ignored here
+(``memplan check`` reports them).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from .errors import InputError
+from .bounds import MAX_COUNT, MAX_ELEMENTS, MAX_RANKS, check_count
+from .dsbatch import batch_problem, derive_batch, resolve_batch  # noqa: F401 - re-exported
+from .errors import InputError, shorten
 from .specs import Optimizer, TrainDtype
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -96,43 +103,37 @@ class DsSettings(BaseModel):
     auto_keys: tuple[str, ...] = ()
 
 
-def load_ds_config(path: str | Path) -> dict:
-    """Read a DeepSpeed JSON config. Unreadable or malformed → InputError('ds-config', ...)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        reason = getattr(err, "strerror", None) or "not UTF-8 text"
-        raise InputError("ds-config", f"{p}: cannot read ({reason})") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InputError("ds-config", f"{p}: invalid JSON at line {err.lineno} col {err.colno} ({err.msg})") from None
-    if not isinstance(cfg, dict):
-        raise InputError("ds-config", f"{p}: must be a JSON object {{...}}, got {type(cfg).__name__}")
-    return cfg
+#: batch keys the Hugging Face Trainer fills when they are "auto" (trainer_config_process)
+HF_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+#: pydantic's lax int: how DeepSpeedConfigModel sections parse an int field
+_LAX_INT = TypeAdapter(int)
 
 
-def as_int(value: Any, path: str, minimum: int = 0) -> int | None:
-    """An integer the way pydantic's lax int reads it (5e8 → 500000000); "auto"/None → None."""
+def load_ds_config(path: str | Path, *, hf: bool = False, flag: str = "--ds-config") -> dict:
+    """Read a DeepSpeed config file as the job will read it (memplan.inputs): DeepSpeedConfig's hjson with
+    duplicate keys refused, or (``hf``) HfDeepSpeedConfig's json.load. Malformed → InputError naming ``flag``."""
+    from .inputs import read_json_object
+
+    return read_json_object(path, flag, "json" if hf else "deepspeed", "DeepSpeed JSON config")
+
+
+def as_int(value: Any, path: str, minimum: int = 0, *, maximum: int = MAX_ELEMENTS,
+           strings: bool = True) -> int | None:
+    """An integer as DeepSpeed reads it, bounded; "auto"/None → None. ``strings``: a section's field (pydantic's
+    lax int); else a top-level scalar, compared as it is (a JSON number only). Booleans refused (stricter)."""
     if value is None or value == "auto":
         return None
     if isinstance(value, bool):
         raise InputError(path, f"must be an integer >= {minimum}, not a boolean")
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise InputError(path, f"must be an integer >= {minimum} (got {value!r})") from None
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise InputError(path, f"must be a whole number >= {minimum} (got {value!r})")
-        value = int(value)
-    if not isinstance(value, int):
-        raise InputError(path, f"must be an integer >= {minimum} (got {value!r})")
-    if value < minimum:
-        raise InputError(path, f"must be >= {minimum} (got {value})")
-    return value
+    if isinstance(value, str) and not strings:
+        raise InputError(path, f"must be a JSON number, not a string (got {shorten(value)}): DeepSpeedConfig "
+                               "compares it as it is (_batch_assertion raises TypeError on a string)")
+    try:
+        out = _LAX_INT.validate_python(value)
+    except ValidationError:
+        raise InputError(path, f"must be a whole number >= {minimum} (got {shorten(value)})") from None
+    return check_count(out, path, minimum=minimum, maximum=maximum)
 
 
 def as_bool(value: Any, path: str) -> bool | None:
@@ -140,7 +141,7 @@ def as_bool(value: Any, path: str) -> bool | None:
     if value is None or value == "auto":
         return None
     if not isinstance(value, bool):
-        raise InputError(path, f"must be true or false (got {value!r})")
+        raise InputError(path, f"must be true or false (got {shorten(value)})")
     return value
 
 
@@ -150,26 +151,30 @@ def as_dtype(value: Any, path: str) -> TrainDtype | None:
         return None
     key = value.lower() if isinstance(value, str) else value
     if key not in DTYPE_SPELLINGS:
-        raise InputError(path, f"must be one of fp16, bf16, fp32 (got {value!r})")
+        raise InputError(path, f"must be one of fp16, bf16, fp32 (got {shorten(value)})")
     return DTYPE_SPELLINGS[key]
 
 
 def _section(cfg: dict, key: str, path: str = "") -> dict:
-    value = cfg.get(key)
-    if value is None or value == "auto":
+    """A section DeepSpeed reads with ``Config(**value)`` or ``value.get``: missing → {}; present, it must
+    be a JSON object ("auto" or null included are refused, as DeepSpeed fails on them)."""
+    if key not in cfg:
         return {}
+    value = cfg[key]
     if not isinstance(value, dict):
-        raise InputError(f"{path}{key}", f"must be a JSON object {{...}} (got {value!r})")
+        raise InputError(f"{path}{key}", f"must be a JSON object {{...}} (got {shorten(value)}): DeepSpeed fails "
+                                         "on anything else; \"auto\" works only for values inside it")
     return value
 
 
 def _offload(zero: dict, key: str) -> tuple[OffloadDevice | None, bool | None]:
     """offload_optimizer / offload_param (runtime/zero/offload_config.py, OffloadDeviceEnum)."""
-    section = _section(zero, key, "zero_optimization.")
+    # inside zero_optimization, "auto" and null are dropped / the default (DeepSpeedConfigModel, Optional field)
+    section = {} if zero.get(key) in (None, "auto") else _section(zero, key, "zero_optimization.")
     path = f"zero_optimization.{key}"
     device = section.get("device")
     if device is not None and device != "auto" and device not in ("none", "cpu", "nvme"):
-        raise InputError(f"{path}.device", f"must be none, cpu or nvme (got {device!r})")
+        raise InputError(f"{path}.device", f"must be none, cpu or nvme (got {shorten(device)})")
     if section and device in (None, "auto"):
         device = "none"  # DeepSpeedZeroOffload*Config.device defaults to "none"
     return device, as_bool(section.get("pin_memory"), f"{path}.pin_memory")
@@ -183,10 +188,14 @@ def _zero_fields(cfg: dict) -> dict:
     zero = _section(cfg, "zero_optimization")
     out: dict[str, Any] = {}
     stage = zero.get("stage")
-    if stage is not None and stage != "auto":
-        if isinstance(stage, bool) or as_int_or_none(stage) not in (0, 1, 2, 3):
-            raise InputError("zero_optimization.stage", f"must be 0, 1, 2 or 3 (got {stage!r})")
-        out["zero_stage"] = int(stage)
+    if stage is not None and stage != "auto":  # ZeroStageEnum under pydantic's lax int: "3" is 3
+        try:
+            parsed = None if isinstance(stage, bool) else _LAX_INT.validate_python(stage)
+        except ValidationError:
+            parsed = None
+        if parsed not in (0, 1, 2, 3):
+            raise InputError("zero_optimization.stage", f"must be 0, 1, 2 or 3 (got {shorten(stage)})")
+        out["zero_stage"] = parsed
     for field, keys in ZERO_INT_KEYS.items():
         for key in keys:
             if key in zero:
@@ -203,32 +212,22 @@ def _zero_fields(cfg: dict) -> dict:
     return out
 
 
-def as_int_or_none(value: Any) -> int | None:
-    """value as an int if it is a whole number, else None (no error)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _dtype_field(cfg: dict) -> TrainDtype | None:
-    """fp16 / bf16 ("bfloat16" is the old key) as get_float16_config / get_bfloat16_config read them.
-
-    Neither enabled: DeepSpeed trains in fp32. "auto": left to the HF integration (None).
-    """
-    fp16 = as_bool(_section(cfg, "fp16").get("enabled"), "fp16.enabled")
-    bf16_key = "bf16" if "bf16" in cfg else "bfloat16"
-    bf16 = as_bool(_section(cfg, bf16_key).get("enabled"), f"{bf16_key}.enabled")
+def _dtype_field(cfg: dict, hf: bool = False) -> TrainDtype | None:
+    """fp16 / bf16 ("bfloat16" is the old key) as get_float16_config / get_bfloat16_config read them. Neither
+    enabled: fp32. ``enabled: "auto"``: dropped (off) on the plain path; the Trainer's to fill on the HF path."""
+    fp16_section = _section(cfg, "fp16")
+    # get_bfloat16_config: "bf16", and the old "bfloat16" when bf16 is missing or null
+    bf16_key = "bf16" if cfg.get("bf16") is not None or "bfloat16" not in cfg else "bfloat16"
+    bf16_section = {} if bf16_key == "bf16" and cfg.get("bf16") is None else _section(cfg, bf16_key)
+    fp16 = as_bool(fp16_section.get("enabled"), "fp16.enabled")
+    bf16 = as_bool(bf16_section.get("enabled"), f"{bf16_key}.enabled")
     if fp16 and bf16:
         raise InputError("fp16.enabled", "bf16 and fp16 cannot both be enabled (DeepSpeedConfig._initialize_params)")
     if fp16:
         return "fp16"
     if bf16:
         return "bf16"
-    if _section(cfg, "fp16").get("enabled") == "auto" or _section(cfg, bf16_key).get("enabled") == "auto":
+    if hf and "auto" in (fp16_section.get("enabled"), bf16_section.get("enabled")):
         return None
     return "fp32"
 
@@ -244,7 +243,7 @@ def optimizer_choice(cfg: dict, offload_optimizer: str | None) -> tuple[str | No
     if name is None:
         return None, None
     if not isinstance(name, str):
-        raise InputError("optimizer.type", f"must be one of {', '.join(OPTIMIZER_TYPES)} (got {name!r})")
+        raise InputError("optimizer.type", f"must be one of {', '.join(OPTIMIZER_TYPES)} (got {shorten(name)})")
     lowered = name.lower()
     params = section.get("params") or {}
     if lowered in ("adam", "adamw"):
@@ -255,14 +254,22 @@ def optimizer_choice(cfg: dict, offload_optimizer: str | None) -> tuple[str | No
         return name, "lion"
     if lowered == "sgd":
         return name, "sgd"
-    raise InputError("optimizer.type", f"memplan models {', '.join(OPTIMIZER_TYPES)} (got {name!r})")
+    raise InputError("optimizer.type", f"memplan models {', '.join(OPTIMIZER_TYPES)} (got {shorten(name)})")
 
 
-def _batch_fields(cfg: dict) -> dict:
+def _batch_fields(cfg: dict, hf: bool = False) -> dict:
+    for key in HF_BATCH_KEYS:
+        if cfg.get(key) == "auto" and not hf:
+            raise InputError(key, "\"auto\" is filled in only by the Hugging Face Trainer (--loop hf-trainer); "
+                                  "plain deepspeed.initialize keeps the string and DeepSpeedConfig._batch_assertion "
+                                  "fails on it (TypeError); allowed: a positive integer")
     return {
-        "train_batch_size": as_int(cfg.get("train_batch_size"), "train_batch_size", 1),
-        "micro_batch": as_int(cfg.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", 1),
-        "grad_accum": as_int(cfg.get("gradient_accumulation_steps"), "gradient_accumulation_steps", 1),
+        "train_batch_size": as_int(cfg.get("train_batch_size"), "train_batch_size", 1, maximum=MAX_COUNT,
+                                   strings=False),
+        "micro_batch": as_int(cfg.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", 1,
+                              maximum=MAX_COUNT, strings=False),
+        "grad_accum": as_int(cfg.get("gradient_accumulation_steps"), "gradient_accumulation_steps", 1,
+                             maximum=MAX_COUNT, strings=False),
     }
 
 
@@ -275,7 +282,7 @@ def _activation_checkpointing_fields(cfg: dict) -> dict:
         "cpu_checkpointing": as_bool(ac.get("cpu_checkpointing"), p + "cpu_checkpointing"),
         "contiguous_memory_optimization": as_bool(
             ac.get("contiguous_memory_optimization"), p + "contiguous_memory_optimization"),
-        "number_checkpoints": as_int(ac.get("number_checkpoints"), p + "number_checkpoints", 1),
+        "number_checkpoints": as_int(ac.get("number_checkpoints"), p + "number_checkpoints", 1, maximum=MAX_COUNT),
     }
 
 
@@ -284,11 +291,13 @@ def _fp16_fields(cfg: dict) -> dict:
     scale = fp16.get("loss_scale")
     if scale is not None and scale != "auto" and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                                    or scale < 0):
-        raise InputError("fp16.loss_scale", f"must be a number >= 0, 0 = dynamic (got {scale!r})")
+        raise InputError("fp16.loss_scale", f"must be a number >= 0, 0 = dynamic (got {shorten(scale)})")
     return {
         "fp16_loss_scale": None if scale in (None, "auto") else float(scale),
-        "fp16_initial_scale_power": as_int(fp16.get("initial_scale_power"), "fp16.initial_scale_power"),
-        "fp16_loss_scale_window": as_int(fp16.get("loss_scale_window"), "fp16.loss_scale_window", 1),
+        "fp16_initial_scale_power": as_int(fp16.get("initial_scale_power"), "fp16.initial_scale_power",
+                                           maximum=1023),  # 2**power must be a finite float
+        "fp16_loss_scale_window": as_int(fp16.get("loss_scale_window"), "fp16.loss_scale_window", 1,
+                                         maximum=MAX_COUNT),
     }
 
 
@@ -296,7 +305,7 @@ def _float(value: Any, path: str) -> float | None:
     if value is None or value == "auto":
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise InputError(path, f"must be a number >= 0 (got {value!r})")
+        raise InputError(path, f"must be a number >= 0 (got {shorten(value)})")
     return float(value)
 
 
@@ -310,20 +319,23 @@ def _auto_keys(cfg: dict, prefix: str = "") -> tuple[str, ...]:
     return tuple(out)
 
 
-def ds_settings(cfg: dict, dp: int | None = None) -> DsSettings:
+def ds_settings(cfg: dict, dp: int | None = None, *, hf: bool = False) -> DsSettings:
     """What ``cfg`` sets. With ``dp`` (the data-parallel size DeepSpeed divides by), missing batch
-    sizes are derived and the batch identity is checked, as DeepSpeedConfig does."""
+    sizes are derived and the batch identity is checked, as DeepSpeedConfig does. ``hf``: the Hugging Face
+    Trainer path, which fills "auto" values from TrainingArguments (module docstring)."""
     fields: dict[str, Any] = {}
     fields.update(_zero_fields(cfg))
-    fields["dtype"] = _dtype_field(cfg)
-    fields.update(_batch_fields(cfg))
+    fields["dtype"] = _dtype_field(cfg, hf)
+    fields.update(_batch_fields(cfg, hf))
     fields["optimizer_type"], fields["optimizer"] = optimizer_choice(cfg, fields.get("offload_optimizer"))
     fields["grad_accum_dtype"] = as_dtype(_section(cfg, "data_types").get("grad_accum_dtype"),
                                           "data_types.grad_accum_dtype")
-    fields["sequence_parallel_size"] = as_int(cfg.get("sequence_parallel_size"), "sequence_parallel_size", 1)
+    fields["sequence_parallel_size"] = as_int(cfg.get("sequence_parallel_size"), "sequence_parallel_size", 1,
+                                              maximum=MAX_RANKS)
     fields["sp_comm_dtype"] = as_dtype(cfg.get("seq_parallel_communication_data_type"),
                                        "seq_parallel_communication_data_type")
-    fields["autotp_size"] = as_int(_section(cfg, "tensor_parallel").get("autotp_size"), "tensor_parallel.autotp_size")
+    fields["autotp_size"] = as_int(_section(cfg, "tensor_parallel").get("autotp_size"), "tensor_parallel.autotp_size",
+                                   maximum=MAX_RANKS)
     fields.update(_activation_checkpointing_fields(cfg))
     fields["gradient_clipping"] = _float(cfg.get("gradient_clipping"), "gradient_clipping")
     fields.update(_fp16_fields(cfg))
@@ -332,52 +344,6 @@ def ds_settings(cfg: dict, dp: int | None = None) -> DsSettings:
     if dp is not None:
         settings = settings.model_copy(update=resolve_batch(settings, dp))
     return settings
-
-
-def derive_batch(train: int | None, micro: int | None, accum: int | None, dp: int) -> dict:
-    """DeepSpeedConfig._set_batch_related_parameters: fill the missing batch sizes (integer division).
-
-    Returns {"train_batch_size", "micro_batch", "grad_accum"}; raises InputError when neither
-    train_batch_size nor train_micro_batch_size_per_gpu is given (DeepSpeed's assertion).
-    """
-    if train is not None and micro is not None and accum is not None:
-        pass
-    elif train is not None and micro is not None:
-        accum = train // micro // dp
-    elif train is not None and accum is not None:
-        micro = train // dp // accum
-    elif micro is not None and accum is not None:
-        train = micro * accum * dp
-    elif train is not None:
-        accum, micro = 1, train // dp
-    elif micro is not None:
-        train, accum = micro * dp, 1
-    else:
-        raise InputError("train_batch_size", "set train_batch_size or train_micro_batch_size_per_gpu "
-                                             "(DeepSpeedConfig._set_batch_related_parameters)")
-    return {"train_batch_size": train, "micro_batch": micro, "grad_accum": accum}
-
-
-def batch_problem(batch: dict, dp: int) -> str | None:
-    """DeepSpeedConfig._batch_assertion, as a sentence showing the arithmetic; None when it holds."""
-    train, micro, accum = batch["train_batch_size"], batch["micro_batch"], batch["grad_accum"]
-    if micro < 1:
-        return f"train_micro_batch_size_per_gpu derives to {micro} (train_batch_size {train} // dp {dp} // {accum})"
-    if accum < 1:
-        return f"gradient_accumulation_steps derives to {accum} (train_batch_size {train} // micro {micro} // dp {dp})"
-    if train != micro * accum * dp:
-        return (f"train_batch_size ({train}) != micro-batch ({micro}) × gradient accumulation ({accum})"
-                f" × data-parallel size ({dp}) = {micro * accum * dp}")
-    return None
-
-
-def resolve_batch(settings: DsSettings, dp: int) -> dict:
-    """Derived batch sizes for ``dp``; InputError (as DeepSpeed's assertion) when they do not add up."""
-    batch = derive_batch(settings.train_batch_size, settings.micro_batch, settings.grad_accum, dp)
-    problem = batch_problem(batch, dp)
-    if problem:
-        raise InputError("train_batch_size", problem)
-    return batch
 
 
 _ZERO_SPEC_FIELDS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",

@@ -16,7 +16,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import InputError
+from .errors import InputError, shorten
 from .units import MiB, parse_size_bytes
 
 TB_S = 10**12
@@ -120,8 +120,7 @@ def resolve_gpu(text: str) -> GpuSpec:
     if _SIZE_WITH_UNIT.match(str(text)):
         try:
             size = parse_size_bytes(text)
-        except (ValueError, OverflowError) as err:
-            raise InputError("--gpu", f"{err}; {_allowed()}") from None
+        except ValueError as err:
+            raise InputError("--gpu", f"{shorten(text)} {str(err).split(';')[0]}; {_allowed()}") from None
         return GpuSpec(name=str(text).strip(), memory_bytes=size, source="capacity given on the command line")
-    shown = repr(str(text)[:40]) + ("…" if len(str(text)) > 40 else "")
-    raise InputError("--gpu", f"unknown GPU {shown}; {_allowed()}")
+    raise InputError("--gpu", f"unknown GPU {shorten(str(text), 40)}; {_allowed()}")

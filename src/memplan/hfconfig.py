@@ -9,22 +9,24 @@ family; ``architectures`` is only a hint, used when ``model_type`` is missing an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import InputError, from_pydantic
+from . import hfconfig_families as families
+from .bounds import MAX_LAYERS
+from .errors import InputError, from_pydantic, shorten
+from .hfconfig_keys import MAX_DIM, Keys, show  # noqa: F401 - MAX_DIM is part of this module's API
+from .inputs import MAX_INPUT_BYTES
 from .specs import ModelSpec
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral", *families.BUILDERS)
+#: model types read through a sub-config: gemma3 (multimodal) → its text_config as gemma3_text
+WRAPPERS = ("gemma3",)
 
-#: largest JSON file read (real config.json files are a few KiB)
-MAX_JSON_BYTES = 16 * 2**20
-
-#: largest size accepted for any dimension (a guard against hostile input, far above any real model)
-MAX_DIM = 2**32
+#: largest JSON file read (real config.json files are a few KiB): memplan.inputs' cap for every input file
+MAX_JSON_BYTES = MAX_INPUT_BYTES
 
 #: ``attribute_map`` of each config class: generic key → the family's own field (GPT2Config, BloomConfig,
 #: MixtralConfig). BloomConfig.__post_init__ also pops ``n_embed`` into hidden_size.
@@ -93,75 +95,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 BLOOM_DEFAULT_POSITIONS = 2048
 
 
-def _show(value: Any) -> str:
-    """A config value for an error message: its repr, cut to 60 characters."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-class _Keys:
-    """Reads one family's config keys: aliases resolved, transformers' defaults filled, values checked."""
-
-    def __init__(self, cfg: dict, family: str):
-        self.family = family
-        self.values = dict(_DEFAULTS[family])
-        given: dict[str, tuple[str, Any]] = {}
-        for key, value in cfg.items():
-            field = _ALIASES.get(family, {}).get(key, key)
-            if field in given and given[field][1] != value:
-                other, before = given[field]
-                raise InputError(f"model.{key}", f"conflicts with {other} ({_show(before)} vs {_show(value)})")
-            given[field] = (key, value)
-        self.source_key = {field: key for field, (key, _) in given.items()}
-        self.values.update({field: value for field, (_, value) in given.items()})
-
-    def error(self, field: str, message: str) -> InputError:
-        """An InputError naming the key as the config spelled it (e.g. n_embd, or hidden_size for GPT-2)."""
-        return InputError(f"model.{self.source_key.get(field, field)}", message)
-
-    def int(self, field: str) -> int:
-        value = self.values.get(field)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIM:
-            raise self.error(field, f"must be a positive integer up to {MAX_DIM} (got {_show(value)})")
-        return value
-
-    def opt_int(self, field: str) -> int | None:
-        return None if self.values.get(field) is None else self.int(field)
-
-    def bool(self, field: str, default: bool = False) -> bool:
-        value = self.values.get(field, default)
-        if not isinstance(value, bool):
-            raise self.error(field, f"must be true or false (got {_show(value)})")
-        return value
-
-    def str(self, field: str) -> str:
-        value = self.values.get(field)
-        if not isinstance(value, str) or not value:
-            raise self.error(field, f"must be a non-empty string (got {_show(value)})")
-        return value
-
-    def prob(self, field: str) -> float:
-        """A dropout probability in [0, 1)."""
-        value = self.values.get(field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise self.error(field, f"must be a probability in [0, 1) (got {_show(value)})")
-        return float(value)
-
-    def fraction(self, field: str) -> float:
-        value = self.values.get(field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise self.error(field, f"must be a number in (0, 1] (got {_show(value)})")
-        return float(value)
-
-
-def _divisible(k: _Keys, hidden: int, heads: int) -> None:
+def _divisible(k: Keys, hidden: int, heads: int) -> None:
     """LlamaConfig/GPTNeoXConfig.validate_architecture, GPT2Attention, BloomAttention: hidden % heads == 0."""
     if hidden % heads:
         field = "n_head" if k.family in ("gpt2", "bloom") else "num_attention_heads"
         raise k.error(field, f"hidden size ({hidden}) must be divisible by the attention heads ({heads})")
 
 
-def _llama_like(k: _Keys) -> dict:
+def _llama_like(k: Keys) -> dict:
     """llama, mistral, qwen2, qwen3, mixtral: RMSNorm, RoPE, gated SiLU MLP (per expert for mixtral)."""
     hidden, heads = k.int("hidden_size"), k.int("num_attention_heads")
     if k.family == "llama":
@@ -183,6 +124,7 @@ def _llama_like(k: _Keys) -> dict:
         "attention_out_bias": k.family in ("llama", "qwen3") and attn_bias[k.family],
         "mlp_bias": k.family == "llama" and k.bool("mlp_bias"), "qk_norm": k.family == "qwen3",
         "attention_dropout": k.prob("attention_dropout"),  # *Attention: dropout on the probabilities only
+        "pad_token_id": k.padding_idx(k.int("vocab_size")),  # LlamaModel etc.: nn.Embedding(..., padding_idx)
         # MistralConfig / MixtralConfig: sliding_window; Qwen2/3Config: only with use_sliding_window
         "sliding_window": (k.opt_int("sliding_window") if k.family in ("mistral", "mixtral")
                            or (k.family in ("qwen2", "qwen3") and k.bool("use_sliding_window")) else None),
@@ -195,7 +137,7 @@ def _llama_like(k: _Keys) -> dict:
     return spec
 
 
-def _gpt2(k: _Keys) -> dict:
+def _gpt2(k: Keys) -> dict:
     """GPT2LMHeadModel: learned positions, LayerNorm, Conv1D c_attn/c_proj/c_fc with biases."""
     hidden, heads = k.int("n_embd"), k.int("n_head")
     _divisible(k, hidden, heads)
@@ -214,7 +156,7 @@ def _gpt2(k: _Keys) -> dict:
     }
 
 
-def _gpt_neox(k: _Keys) -> dict:
+def _gpt_neox(k: Keys) -> dict:
     """GPTNeoXForCausalLM: fused query_key_value, LayerNorm, partial rotary, parallel residual."""
     hidden, heads = k.int("hidden_size"), k.int("num_attention_heads")
     _divisible(k, hidden, heads)
@@ -237,7 +179,7 @@ def _gpt_neox(k: _Keys) -> dict:
     }
 
 
-def _bloom(k: _Keys) -> dict:
+def _bloom(k: Keys) -> dict:
     """BloomForCausalLM: ALiBi, LayerNorm after the embeddings, fused query_key_value, 4·hidden GELU MLP."""
     hidden, heads = k.int("hidden_size"), k.int("n_head")
     _divisible(k, hidden, heads)
@@ -253,20 +195,20 @@ def _bloom(k: _Keys) -> dict:
     }
 
 
-_BUILDERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "bloom": _bloom}
+_BUILDERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "bloom": _bloom, **families.BUILDERS}
 
 
 def _family(cfg: dict) -> str:
     """model_type decides; a config without one whose architectures are GPT-2 ones is read as gpt2."""
-    allowed = ", ".join(FAMILIES)
+    allowed = ", ".join(FAMILIES) + ", gemma3 (its text_config)"
     model_type = cfg.get("model_type")
     if model_type is None:
         archs = cfg.get("architectures")
         if isinstance(archs, list) and archs and all(isinstance(a, str) and a.startswith("GPT2") for a in archs):
             return "gpt2"
         raise InputError("model.model_type", f"missing (and architectures is not GPT2*); allowed: {allowed}")
-    if model_type not in FAMILIES:
-        raise InputError("model.model_type", f"unsupported model type {model_type!r}; allowed: {allowed}")
+    if model_type not in FAMILIES + WRAPPERS:
+        raise InputError("model.model_type", f"unsupported model type {shorten(model_type)}; allowed: {allowed}")
     return model_type
 
 
@@ -274,9 +216,16 @@ def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     """The ModelSpec of a Hugging Face config dict (as json.load gives it), missing keys as transformers fills them."""
     if not isinstance(cfg, dict):
         raise InputError("model", f"a config.json must hold a JSON object (got {type(cfg).__name__})")
-    family = _family(cfg)
-    keys = _Keys(cfg, family)
+    family, prefix = _family(cfg), "model."
+    if family == "gemma3":  # Gemma3Config: the text model only
+        cfg, family, source = families.gemma3_text_config(cfg), "gemma3_text", f"{source}; {families.GEMMA3_NOTE}"
+        prefix = "model.text_config."
+    keys = Keys(cfg, family, {**_DEFAULTS, **families.DEFAULTS}[family],
+                {**_ALIASES, **families.ALIASES}.get(family, {}), prefix)
     fields = _BUILDERS.get(family, _llama_like)(keys)
+    if fields["num_layers"] > MAX_LAYERS:  # the estimator lists every layer's tensors (memplan.bounds)
+        layers_key = "n_layer" if family in ("gpt2", "bloom") else "num_hidden_layers"
+        raise keys.error(layers_key, f"{fields['num_layers']} layers; allowed: at most {MAX_LAYERS}")
     try:
         return ModelSpec(name=name, family=family, source=source, **fields)
     except ValidationError as err:
@@ -285,33 +234,23 @@ def model_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
 
 def transformers_config(cfg: dict) -> dict:
     """The keys to hand to ``AutoConfig.for_model(**keys)``: model_type filled as memplan resolved it (the seed's
-    GPT2Model config has none), memplan's own ``_memplan_*`` keys dropped."""
+    GPT2Model config has none; a gemma3 config gives its text_config as gemma3_text), memplan's own
+    ``_memplan_*`` keys dropped."""
+    family = _family(cfg)
+    if family == "gemma3":  # AutoModelForCausalLM of a Gemma3Config is the multimodal model: build the text one
+        cfg, family = families.gemma3_text_config(cfg), "gemma3_text"
     keys = {k: v for k, v in cfg.items() if not k.startswith("_memplan")}
-    keys["model_type"] = _family(cfg)
+    keys["model_type"] = family
     return keys
 
 
 def read_json(path: Path, field: str = "model") -> dict:
-    """Read a JSON object from a file; any failure is an InputError naming the file, on one line."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(path))  # one line, always
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_JSON_BYTES + 1)
-    except FileNotFoundError:
-        raise InputError(field, f"no such file: {shown}") from None
-    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise InputError(field, f"cannot read {shown}: {err}".replace("\n", " ")) from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise InputError(field, f"{shown} is larger than {MAX_JSON_BYTES} bytes; a config.json is a few KiB")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise InputError(field, f"{shown} is not UTF-8 text: {err}".replace("\n", " ")) from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise InputError(field, f"malformed JSON in {shown}: {err}".replace("\n", " ")) from None
-    if not isinstance(data, dict):
-        raise InputError(field, f"{shown} must hold a JSON object (got {type(data).__name__})")
-    return data
+    """Read a config.json as transformers does (PretrainedConfig._dict_from_json_file: json.loads of the UTF-8
+    text, so a BOM or a comment is refused and a duplicate key's last value wins), through memplan.inputs: a
+    regular file of at most MAX_JSON_BYTES; any failure is an InputError naming ``field``, on one line."""
+    from .inputs import read_json_object
+
+    return read_json_object(path, field, "json", "config.json")
 
 
 def load_config_file(path: str | Path) -> ModelSpec:

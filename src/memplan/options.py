@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .errors import InputError
+from .bounds import MAX_COUNT, count_type, rank_count
+from .errors import InputError, shorten
+from .inputs import MAX_INPUT_BYTES, check_regular
 
 #: the seed's model preset and sequence length (176b_config.json, the article's 32K tokens)
 DEFAULT_MODEL = "176b"
@@ -71,9 +73,9 @@ DS_KEY_OF_FIELD: dict[str, str] = {
     "offload_param": "zero_optimization.offload_param.device",
 }
 
-#: the largest count a flag takes (2**40 tokens, ranks or steps is far beyond any real job; keeps byte
-#: arithmetic in the estimator exact in float64 where it divides)
-MAX_FLAG_INT = 2**40
+#: the largest count a flag takes (2**40 tokens or steps is far beyond any real job; keeps byte arithmetic in
+#: the estimator exact in float64 where it divides); ranks are bounded lower (memplan.bounds.MAX_RANKS)
+MAX_FLAG_INT = MAX_COUNT
 
 _LAYOUT_FIELDS = ("world", "gpus_per_node", "tp", "pp", "sp", "tp_sequence_parallel")
 _CHOICES = {
@@ -91,32 +93,28 @@ _CHOICES = {
 def _unit_float(text: str) -> float:
     """argparse type: a number in [0, 1)."""
     try:
-        value = float(str(text).strip())
+        value = float(str(text).strip()) if len(str(text)) <= 40 else None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{str(text)[:40]!r} is not a number; allowed: 0 <= p < 1") from None
+        value = None
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not a number; allowed: 0 <= p < 1") from None
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 0 <= p < 1")
     return value
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer in 1..2**40 (a message argparse prefixes with the flag)."""
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "…"
-        raise argparse.ArgumentTypeError(f"{shown} is not an integer; allowed: a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive; allowed: a positive integer")
-    if value > MAX_FLAG_INT:
-        raise argparse.ArgumentTypeError(f"{value} is too large; allowed: a positive integer up to 2**40")
-    return value
+    """argparse type: an integer in 1..MAX_FLAG_INT, ASCII digits only (memplan.bounds.count: the one rule)."""
+    return _positive(text)
+
+
+_positive = count_type(maximum=MAX_FLAG_INT)
 
 
 def _zero_stage(text: str) -> int:
     """argparse type for --zero: 0, 1, 2 or 3."""
     if str(text).strip() not in ("0", "1", "2", "3"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage; allowed: 0, 1, 2, 3")
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not a ZeRO stage; allowed: 0, 1, 2, 3")
     return int(text)
 
 
@@ -127,13 +125,13 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq", type=positive_int, metavar="N", help=f"tokens per sequence (default {DEFAULT_SEQ})")
     g.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per rank per micro-step (1)")
     g.add_argument("--grad-accum", type=positive_int, metavar="N", help="micro-steps per optimizer step (1)")
-    g.add_argument("--gpus", type=positive_int, metavar="N", help=f"world size, all ranks (default {DEFAULT_GPUS})")
-    g.add_argument("--gpus-per-node", type=positive_int, metavar="N", help=f"(default {DEFAULT_GPUS_PER_NODE})")
-    g.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel size (1)")
-    g.add_argument("--pp", type=positive_int, metavar="N", help="pipeline-parallel size (1)")
+    g.add_argument("--gpus", type=rank_count, metavar="N", help=f"world size, all ranks (default {DEFAULT_GPUS})")
+    g.add_argument("--gpus-per-node", type=rank_count, metavar="N", help=f"(default {DEFAULT_GPUS_PER_NODE})")
+    g.add_argument("--tp", type=rank_count, metavar="N", help="tensor-parallel size (1)")
+    g.add_argument("--pp", type=rank_count, metavar="N", help="pipeline-parallel size (1)")
     g.add_argument("--tp-sequence-parallel", action="store_const", const=True, default=None,
                    help="Megatron-style sequence parallelism with --tp (modelled, not measured)")
-    g.add_argument("--sp", type=positive_int, metavar="N", help="Ulysses sequence-parallel size (seed: 8)")
+    g.add_argument("--sp", type=rank_count, metavar="N", help="Ulysses sequence-parallel size (seed: 8)")
     g.add_argument("--zero", type=_zero_stage, metavar="0|1|2|3", help="ZeRO stage (seed: 3)")
     g.add_argument("--offload-optimizer", choices=_CHOICES["offload"], help="(seed: cpu)")
     g.add_argument("--offload-param", choices=_CHOICES["offload"], help="needs ZeRO-3 (seed: none)")
@@ -148,6 +146,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--loop", choices=_CHOICES["loop"],
                    help="training loop: outputs (DeepSpeed's tutorial loop keeps the model output; default), loss "
                         "(only the loss survives the forward), hf-trainer (transformers' Trainer)")
+    g.add_argument("--training-args", metavar="FILE",
+                   help="transformers TrainingArguments as to_json_string() writes them; implies --loop hf-trainer "
+                        "(the Trainer fills the --ds-config's \"auto\" from them, see memplan.hf)")
     g.add_argument("--alloc-conf", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True (default: torch's defaults)")
     g.add_argument("--model-impl", choices=_CHOICES["model_impl"],
@@ -206,42 +207,38 @@ def _normalize_ds_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: the largest input file read (a config.json or DeepSpeed JSON is a few KiB)
-MAX_INPUT_FILE_BYTES = 16 * 2**20
+#: the largest input file read (memplan.inputs' cap for every input file)
+MAX_INPUT_FILE_BYTES = MAX_INPUT_BYTES
 
 
 def require_regular_file(path: str, flag: str) -> None:
-    """Refuse what could hang or flood a read: FIFOs, devices (/dev/zero, /dev/stdin), directories, huge files.
-
-    ``os.stat`` does not block on a FIFO, so this runs before any open().
-    """
-    import os
-    import stat
-
-    try:
-        st = os.stat(path)
-    except OSError as err:
-        raise InputError(flag, f"cannot read {path!r} ({err.strerror or err}); allowed: a readable JSON file") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, device or socket)"
-        raise InputError(flag, f"{path!r} is {kind}; allowed: a regular JSON file")
-    if st.st_size > MAX_INPUT_FILE_BYTES:
-        raise InputError(flag, f"{path!r} is {st.st_size} bytes; allowed: a JSON file up to {MAX_INPUT_FILE_BYTES} bytes")
+    """Refuse what could hang or flood a read: FIFOs, devices (/dev/zero, /dev/stdin), directories, huge files
+    (memplan.inputs.check_regular: ``os.stat``, which does not block on a FIFO, before any open)."""
+    check_regular(path, flag, "JSON file", MAX_INPUT_FILE_BYTES)
 
 
-def _ds_settings(path: str):
+def hf_path(args: argparse.Namespace) -> bool:
+    """Whether the job runs under the Hugging Face Trainer (--loop hf-trainer, or --training-args given): then
+    its DeepSpeed JSON is read as HfDeepSpeedConfig reads it and "auto" values are the Trainer's to fill."""
+    return getattr(args, "loop", None) == "hf-trainer" or getattr(args, "training_args", None) is not None
+
+
+def _ds_settings(path: str, hf: bool = False):
     """H3's reading of a DeepSpeed JSON (memplan.dsconfig); errors are InputErrors naming --ds-config."""
-    require_regular_file(path, "--ds-config")
     try:
         from . import dsconfig
     except ImportError:
         raise InputError("--ds-config", "reading DeepSpeed configs is not available in this build") from None
     try:
-        return dsconfig.ds_settings(dsconfig.load_ds_config(path))
+        return dsconfig.ds_settings(dsconfig.load_ds_config(path, hf=hf), hf=hf)
     except InputError as err:
         raise _relabel(err, "--ds-config") from None
-    except OSError as err:
-        raise InputError("--ds-config", f"cannot read {path!r} ({err.strerror or err}); allowed: a readable JSON file")
+
+
+def _auto_batch(settings) -> bool:
+    from .dsconfig import HF_BATCH_KEYS
+
+    return any(k in settings.auto_keys for k in HF_BATCH_KEYS)
 
 
 def _ds_batch(settings, fields: dict[str, Any], source: dict[str, str]) -> None:
@@ -275,55 +272,110 @@ def _relabel(err: InputError, flag: str) -> InputError:
     return InputError(f"{flag} {err.field.removeprefix('model.')}", err.message)
 
 
-def _load_model(name_or_path: str):
-    """The ModelSpec for --model (H1's presets; imported here so estimate stays light)."""
+def _load_model(name_or_path: str, flag: str = "--model"):
+    """The ModelSpec for --model (H1's presets; imported here so estimate stays light): a preset name, or a
+    config.json read through memplan.inputs; every error names ``flag``."""
     try:
-        from .presets import list_presets, load_model
+        from .presets import load_model
     except ImportError:
-        raise InputError("--model", "model presets are not available in this build") from None
-    if name_or_path.strip() not in list_presets() and _exists(name_or_path):
-        require_regular_file(name_or_path, "--model")
+        raise InputError(flag, "model presets are not available in this build") from None
     try:
         return load_model(name_or_path)
     except InputError as err:
-        raise _relabel(err, "--model") from None
-    except OSError as err:
-        raise InputError("--model", f"cannot read {name_or_path!r} ({err.strerror or err}); allowed: a preset name "
-                         "or a readable config.json") from None
+        raise _relabel(err, flag) from None
 
 
-def _exists(path: str) -> bool:
-    """Whether ``path`` names something on disk (a FIFO or device too), without opening it."""
-    import os
-
-    try:
-        return os.path.lexists(os.path.expanduser(path))
-    except (OSError, ValueError):  # ValueError: an embedded NUL
-        return False
+def model_from_arg(name_or_path: str, flag: str = "--model"):
+    """The ModelSpec a --model value names (see _load_model), for every command that takes --model."""
+    return _load_model(name_or_path, flag)
 
 
-def resolved_fields(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
-    """Job fields after defaults, --ds-config and flags, and where each came from ('flag', 'ds', 'default')."""
+def resolved_fields(args: argparse.Namespace, seed: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
+    """Job fields after defaults, --ds-config and flags, and where each came from ('flag', 'ds', 'default',
+    'trainer'). Under --loop hf-trainer (or --training-args) the --ds-config's "auto" is filled as the
+    Trainer fills it (memplan.hf); elsewhere "auto" means DeepSpeed's default.
+
+    ``seed=False``: without --ds-config the seed's scenario fills nothing (the specs' own defaults stand), for
+    a configuration read from the user's files (plan's --launch-file), whose gaps the article must not fill.
+    """
     ds_path = getattr(args, "ds_config", None)
-    settings = _ds_settings(ds_path) if ds_path else None
+    trainer = trainer_job_of(args)
+    if trainer is not None and trainer.fill is not None:
+        settings = _settings_of(trainer.fill.config)
+    else:
+        settings = _ds_settings(ds_path, hf_path(args)) if ds_path else None
     if settings is not None:
         from .dsconfig import apply_to_job_fields
 
         base, base_src = _normalize_ds_fields(apply_to_job_fields(settings)), "ds"
     else:
-        base, base_src = _normalize_ds_fields(SEED_FIELDS), "default"
+        base, base_src = _normalize_ds_fields(SEED_FIELDS if seed else {}), "default"
     fields: dict[str, Any] = {"seq_len": DEFAULT_SEQ, "world": DEFAULT_GPUS, "gpus_per_node": DEFAULT_GPUS_PER_NODE}
     source = {k: "default" for k in fields}
     _merge(fields, source, base, base_src)
     _merge(fields, source, _explicit_fields(args), "flag")
-    if settings is not None:
-        _ds_batch(settings, fields, source)
+    if trainer is not None:
+        _merge(fields, source, trainer.fields, "trainer")
+    if settings is not None and not (trainer is None and hf_path(args) and _auto_batch(settings)):
+        _ds_batch(settings, fields, source)  # (on the HF path, "auto" batch sizes come from TrainingArguments)
     _resolve_optimizer(fields, source)
     _adapter_fields(args, fields, source)
     alloc = getattr(args, "alloc_conf", None)
     if alloc is not None:
         fields["allocator"], source["allocator"] = parse_alloc_conf(alloc, "--alloc-conf"), "flag"
     return fields, source
+
+
+def trainer_job_of(args: argparse.Namespace, num_training_steps: int | None = None):
+    """memplan.hf.job.TrainerJob for --loop hf-trainer with a --ds-config, or --training-args (None otherwise):
+    the arguments from the file (or transformers' defaults) with the job flags written in, the DeepSpeed config
+    from --ds-config (or the arguments' deepspeed), "auto" filled for the model and --gpus."""
+    loop, path = getattr(args, "loop", None), getattr(args, "training_args", None)
+    if path is not None and loop not in (None, "hf-trainer"):
+        raise InputError("--training-args", f"describes transformers' Trainer; it needs --loop hf-trainer (given: "
+                         f"--loop {loop})")
+    if loop != "hf-trainer" and path is None:
+        return None
+    from .hf import job as hfjob
+    from .hf.args import TrainingArgs, load_training_args
+
+    targs = hfjob.with_job_flags(load_training_args(path) if path else TrainingArgs(), _explicit_fields(args))
+    ds_config = _trainer_ds_config(args, targs)
+    if ds_config is None and path is None:
+        return None  # --loop hf-trainer alone: only the loop changes (the Trainer's arguments were not given)
+    model = _load_model(getattr(args, "model", None) or DEFAULT_MODEL)
+    job = hfjob.trainer_job(ds_config, targs, model=model,
+                            world=getattr(args, "gpus", None) or DEFAULT_GPUS, num_training_steps=num_training_steps)
+    hfjob.raise_first(job, "--training-args" if path else "TrainingArguments")
+    return job
+
+
+def _trainer_ds_config(args: argparse.Namespace, targs) -> dict | None:
+    """The DeepSpeed JSON the Trainer gets: --ds-config, else TrainingArguments.deepspeed (a dict or a path)."""
+    from . import dsconfig
+
+    path, flag = getattr(args, "ds_config", None), "--ds-config"
+    if path is None and isinstance(targs.deepspeed, dict):
+        return targs.deepspeed
+    if path is None and isinstance(targs.deepspeed, str):
+        path, flag = targs.deepspeed, "--training-args deepspeed"
+    if path is None:
+        return None
+    require_regular_file(path, flag)
+    try:
+        return dsconfig.load_ds_config(path)
+    except InputError as err:
+        raise _relabel(err, flag) from None
+
+
+def _settings_of(cfg: dict):
+    """memplan.dsconfig's reading of a filled config (errors name --ds-config)."""
+    from . import dsconfig
+
+    try:
+        return dsconfig.ds_settings(cfg)
+    except InputError as err:
+        raise _relabel(err, "--ds-config") from None
 
 
 #: PYTORCH_CUDA_ALLOC_CONF keys memplan models (c10/cuda/CUDAAllocatorConfig.cpp parseArgs); torch's other
@@ -342,7 +394,7 @@ def parse_alloc_conf(text: str, flag: str) -> dict[str, Any]:
         key, sep, value = item.partition(":")
         key, value = key.strip(), value.strip()
         if not sep or key not in _ALLOC_KEYS:
-            raise InputError(flag, f"{item[:40]!r} is not a key torch takes here; {allowed}")
+            raise InputError(flag, f"{shorten(item, 40)} is not a key torch takes here; {allowed}")
         if key == "expandable_segments":
             if value not in ("True", "False"):
                 raise InputError(flag, f"expandable_segments:{value[:20]} must be True or False")
@@ -387,7 +439,7 @@ def _split_list(text: str, flag: str) -> tuple[str, ...]:
         raise InputError(flag, "needs a comma-separated list of names")
     for item in items:
         if len(item) > 100 or not all(c.isalnum() or c in "_.-:*" for c in item):
-            raise InputError(flag, f"{item[:40]!r} is not a module or group name")
+            raise InputError(flag, f"{shorten(item, 40)} is not a module or group name")
     return items
 
 
@@ -474,7 +526,7 @@ def build_job(model, fields: dict[str, Any], source: dict[str, str]):
         message = first.get("msg", "invalid value").removeprefix("Value error, ").replace("\n", " ")
         got = first.get("input")
         if first.get("loc") and got is not None and not isinstance(got, (dict, list)):
-            message = f"{message} (got {got!r})"
+            message = f"{message} (got {shorten(got)})"
         raise _field_error(_subject(tuple(first.get("loc", ())), message), message, source, fields) from None
 
 
@@ -494,9 +546,10 @@ def _resolved_lora(model, lora: dict[str, Any], source: dict[str, str]) -> dict[
     return lora
 
 
-def job_from_args(args: argparse.Namespace):
-    """The validated Job the flags describe (see the module docstring for the order of precedence)."""
-    fields, source = resolved_fields(args)
+def job_from_args(args: argparse.Namespace, seed: bool = True):
+    """The validated Job the flags describe (see the module docstring for the order of precedence; ``seed``:
+    see resolved_fields)."""
+    fields, source = resolved_fields(args, seed)
     model = _load_model(getattr(args, "model", None) or DEFAULT_MODEL)
     return build_job(model, fields, source)
 
@@ -505,7 +558,8 @@ def explicit_flags(args: argparse.Namespace) -> list[str]:
     """The job flags given on the command line (for reports that say what was assumed)."""
     given = _explicit_fields(args)
     names = [n for n in given if n != "zero"] + list(given.get("zero", {}))
-    extra = [f for f, dest in (("--model", "model"), ("--ds-config", "ds_config")) if getattr(args, dest, None)]
+    extra = [f for f, dest in (("--model", "model"), ("--ds-config", "ds_config"), ("--training-args", "training_args"))
+             if getattr(args, dest, None)]
     return extra + [FLAG_OF_FIELD.get(n, n) for n in names]
 
 

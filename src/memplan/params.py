@@ -19,7 +19,10 @@ from .specs import ModelSpec
 
 #: what a tensor does, so callers need not parse names. Megatron-style TP (Shoeybi et al. 2019, §3) splits
 #: attn_in / mlp_in column-wise (weight and bias) and attn_out / mlp_out row-wise (weight only; bias whole).
-Role = Literal["embedding", "position", "norm", "attn_in", "attn_out", "mlp_in", "mlp_out", "router", "lm_head"]
+#: attn_latent: MLA's low-rank down projections (DeepSeek-V3 q_a_proj, kv_a_proj_with_mqa), which Megatron-Core's
+#: MLASelfAttention keeps whole on every tp rank (their up projections q_b_proj / kv_b_proj are attn_in).
+Role = Literal["embedding", "position", "norm", "attn_in", "attn_out", "attn_latent", "mlp_in", "mlp_out", "router",
+               "lm_head"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +47,16 @@ class ParamTensor:
 
 @dataclass(frozen=True, slots=True)
 class ParamCounts:
-    """Parameter counts; total = embedding + num_layers · per_layer + final_norm + lm_head."""
+    """Parameter counts; total = embedding + Σ layer_params + final_norm + lm_head (= embedding + num_layers ·
+    per_layer + final_norm + lm_head where all layers are alike)."""
 
     total_params: int
     embedding_params: int  # word (+ position) embeddings, BLOOM's embedding LayerNorm
-    per_layer_params: int  # one transformer layer (all layers are alike)
+    per_layer_params: int  # layer 0 (DeepSeek-V3's dense first layers and Qwen3-MoE's mlp_only_layers differ)
     final_norm_params: int
     lm_head_params: int  # 0 when tied to the word embeddings
     largest_tensor_numel: int
+    layer_params: tuple[int, ...] = ()  # each layer's parameters, in order
 
 
 def _linear(name: str, out_dim: int, in_dim: int, bias: bool, layer: int, role: Role) -> list[ParamTensor]:
@@ -133,11 +138,109 @@ def _bloom_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
     return t
 
 
+def _attention_qkvo(m: ModelSpec, p: str, i: int) -> list[ParamTensor]:
+    """q_proj, k_proj, v_proj, o_proj as Gemma2/Gemma3/Olmo2/Qwen3Moe attention register them."""
+    h = m.hidden_size
+    t = _linear(f"{p}.self_attn.q_proj", m.q_dim, h, m.attention_bias, i, "attn_in")
+    t += _linear(f"{p}.self_attn.k_proj", m.kv_dim, h, m.attention_bias, i, "attn_in")
+    t += _linear(f"{p}.self_attn.v_proj", m.kv_dim, h, m.attention_bias, i, "attn_in")
+    t += _linear(f"{p}.self_attn.o_proj", h, m.q_dim, m.attention_out_bias, i, "attn_out")
+    if m.qk_norm:  # per head (Gemma3Attention, Qwen3MoeAttention) or over the projection (Olmo2Attention)
+        t += _norm(f"{p}.self_attn.q_norm", m.head_dim if m.qk_norm_per_head else m.q_dim, False, i)
+        t += _norm(f"{p}.self_attn.k_norm", m.head_dim if m.qk_norm_per_head else m.kv_dim, False, i)
+    return t
+
+
+def _dense_mlp(m: ModelSpec, name: str, width: int, i: int) -> list[ParamTensor]:
+    """gate_proj, up_proj, down_proj without biases (Gemma2MLP, Olmo2MLP, Qwen3MoeMLP, DeepseekV3MLP)."""
+    h = m.hidden_size
+    return (_linear(f"{name}.gate_proj", width, h, False, i, "mlp_in")
+            + _linear(f"{name}.up_proj", width, h, False, i, "mlp_in")
+            + _linear(f"{name}.down_proj", h, width, False, i, "mlp_out"))
+
+
+def _experts(m: ModelSpec, p: str, i: int) -> list[ParamTensor]:
+    """Qwen3MoeExperts / DeepseekV3Experts: packed gate_up_proj (E, 2I, h) and down_proj (E, h, I)."""
+    e, h, ffn = m.num_experts, m.hidden_size, m.expert_intermediate_size
+    return [ParamTensor(f"{p}.mlp.experts.gate_up_proj", (e, 2 * ffn, h), i, "mlp_in"),
+            ParamTensor(f"{p}.mlp.experts.down_proj", (e, h, ffn), i, "mlp_out")]
+
+
+def _gemma_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """Gemma2DecoderLayer / Gemma3DecoderLayer: self_attn (Gemma 3: q_norm, k_norm), mlp, four RMSNorms."""
+    p = f"model.layers.{i}"
+    t = _attention_qkvo(m, p, i) + _dense_mlp(m, f"{p}.mlp", m.intermediate_size, i)
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        t += _norm(f"{p}.{norm}", m.hidden_size, False, i)
+    return t
+
+
+def _phi3_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """Phi3DecoderLayer: self_attn (o_proj registered before qkv_proj), mlp (gate_up_proj, down_proj), norms."""
+    p, h = f"model.layers.{i}", m.hidden_size
+    t = _linear(f"{p}.self_attn.o_proj", h, m.q_dim, False, i, "attn_out")
+    t += _linear(f"{p}.self_attn.qkv_proj", m.q_dim + 2 * m.kv_dim, h, False, i, "attn_in")
+    t += _linear(f"{p}.mlp.gate_up_proj", 2 * m.intermediate_size, h, False, i, "mlp_in")
+    t += _linear(f"{p}.mlp.down_proj", h, m.intermediate_size, False, i, "mlp_out")
+    return t + _norm(f"{p}.input_layernorm", h, False, i) + _norm(f"{p}.post_attention_layernorm", h, False, i)
+
+
+def _olmo2_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """Olmo2DecoderLayer: self_attn (q_norm, k_norm over the projections), mlp, the two norms after them."""
+    p = f"model.layers.{i}"
+    t = _attention_qkvo(m, p, i) + _dense_mlp(m, f"{p}.mlp", m.intermediate_size, i)
+    return (t + _norm(f"{p}.post_attention_layernorm", m.hidden_size, False, i)
+            + _norm(f"{p}.post_feedforward_layernorm", m.hidden_size, False, i))
+
+
+def _qwen3_moe_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """Qwen3MoeDecoderLayer: self_attn, then Qwen3MoeSparseMoeBlock (experts, then the router gate) or
+    Qwen3MoeMLP (intermediate_size) on mlp_only_layers / off-step layers, then two RMSNorms."""
+    p, h = f"model.layers.{i}", m.hidden_size
+    t = _attention_qkvo(m, p, i)
+    if m.is_moe_layer(i):
+        t += _experts(m, p, i) + [ParamTensor(f"{p}.mlp.gate.weight", (m.num_experts, h), i, "router")]
+    else:
+        t += _dense_mlp(m, f"{p}.mlp", m.intermediate_size, i)
+    return t + _norm(f"{p}.input_layernorm", h, False, i) + _norm(f"{p}.post_attention_layernorm", h, False, i)
+
+
+def _deepseek_layer(m: ModelSpec, i: int) -> list[ParamTensor]:
+    """DeepseekV3DecoderLayer: MLA self_attn (q_proj, or q_a_proj + q_a_layernorm + q_b_proj; kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj, o_proj), then DeepseekV3MLP (first_k_dense_replace layers) or DeepseekV3MoE
+    (experts, gate, shared_experts), then two RMSNorms. attention_bias: q_a_proj, kv_a_proj_with_mqa, o_proj."""
+    p, h, nh, bias = f"model.layers.{i}", m.hidden_size, m.num_heads, m.attention_bias
+    rope, nope, v = m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    a = f"{p}.self_attn"
+    if m.q_lora_rank is None:
+        t = _linear(f"{a}.q_proj", m.q_dim, h, False, i, "attn_in")
+    else:
+        t = (_linear(f"{a}.q_a_proj", m.q_lora_rank, h, bias, i, "attn_latent")
+             + _norm(f"{a}.q_a_layernorm", m.q_lora_rank, False, i)
+             + _linear(f"{a}.q_b_proj", m.q_dim, m.q_lora_rank, False, i, "attn_in"))
+    t += _linear(f"{a}.kv_a_proj_with_mqa", m.kv_lora_rank + rope, h, bias, i, "attn_latent")
+    t += _norm(f"{a}.kv_a_layernorm", m.kv_lora_rank, False, i)
+    t += _linear(f"{a}.kv_b_proj", nh * (nope + v), m.kv_lora_rank, False, i, "attn_in")
+    t += _linear(f"{a}.o_proj", h, nh * v, bias, i, "attn_out")
+    if m.is_moe_layer(i):
+        t += _experts(m, p, i) + [ParamTensor(f"{p}.mlp.gate.weight", (m.num_experts, h), i, "router")]
+        t += _dense_mlp(m, f"{p}.mlp.shared_experts", m.expert_intermediate_size * m.n_shared_experts, i)
+    else:
+        t += _dense_mlp(m, f"{p}.mlp", m.intermediate_size, i)
+    return t + _norm(f"{p}.input_layernorm", h, False, i) + _norm(f"{p}.post_attention_layernorm", h, False, i)
+
+
+_NEW_LAYERS = {"gemma2": _gemma_layer, "gemma3_text": _gemma_layer, "phi3": _phi3_layer, "qwen3_moe": _qwen3_moe_layer,
+               "olmo2": _olmo2_layer, "deepseek_v3": _deepseek_layer}
+
+
 #: family → (embedding tensors' names, layer builder, final norm name); lm_head.weight follows unless tied.
 _LAYOUT = {
     "gpt2": (("transformer.wte.weight", "transformer.wpe.weight"), _gpt2_layer, "transformer.ln_f"),
     "gpt_neox": (("gpt_neox.embed_in.weight",), _neox_layer, "gpt_neox.final_layer_norm"),
     "bloom": (("transformer.word_embeddings.weight",), _bloom_layer, "transformer.ln_f"),
+    **{family: (("model.embed_tokens.weight",), layer, "model.norm") for family, layer in _NEW_LAYERS.items()},
 }
 _LLAMA_LAYOUT = (("model.embed_tokens.weight",), _llama_layer, "model.norm")
 
@@ -169,24 +272,30 @@ def parameter_tensors(model: ModelSpec) -> tuple[ParamTensor, ...]:
 def count_params(model: ModelSpec) -> ParamCounts:
     """Parameter counts of ``model``, summed from parameter_tensors."""
     tensors = parameter_tensors(model)
-    layer0 = sum(t.numel for t in tensors if t.layer == 0)
+    layers = [0] * model.num_layers
+    for t in tensors:
+        if t.layer is not None:
+            layers[t.layer] += t.numel
     lm_head = sum(t.numel for t in tensors if t.role == "lm_head")
     first_layer_at = next(i for i, t in enumerate(tensors) if t.layer == 0)
     embedding = sum(t.numel for t in tensors[:first_layer_at])
     total = sum(t.numel for t in tensors)
-    final_norm = total - embedding - model.num_layers * layer0 - lm_head
+    final_norm = total - embedding - sum(layers) - lm_head
     return ParamCounts(
-        total_params=total, embedding_params=embedding, per_layer_params=layer0, final_norm_params=final_norm,
-        lm_head_params=lm_head, largest_tensor_numel=max(t.numel for t in tensors),
+        total_params=total, embedding_params=embedding, per_layer_params=layers[0], final_norm_params=final_norm,
+        lm_head_params=lm_head, largest_tensor_numel=max(t.numel for t in tensors), layer_params=tuple(layers),
     )
 
 
 @lru_cache(maxsize=256)
 def linear_modules(model: ModelSpec) -> tuple[str, ...]:
     """Qualified names of the model's nn.Linear / Conv1D modules (a 2-D weight that is not an embedding), in
-    named_modules() order: what peft's LoRA can adapt. A tied lm_head is the embedding, not a Linear."""
+    named_modules() order: what peft's LoRA can adapt. A tied lm_head is the embedding, not a Linear; MoE
+    routers (MixtralTopKRouter, Qwen3MoeTopKRouter, DeepseekV3TopkRouter) hold a bare nn.Parameter and the
+    experts packed 3-D parameters, so neither is a Linear."""
     return tuple(t.name.removesuffix(".weight") for t in parameter_tensors(model)
-                 if t.name.endswith(".weight") and len(t.shape) == 2 and t.role not in ("embedding", "position"))
+                 if t.name.endswith(".weight") and len(t.shape) == 2
+                 and t.role not in ("embedding", "position", "router"))
 
 
 def frozen_names(model: ModelSpec, groups: tuple[str, ...]) -> frozenset[str]:

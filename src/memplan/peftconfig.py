@@ -9,10 +9,9 @@ Conv1D except the output layer (lm_head). Pure: no peft import.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from .errors import InputError
+from .errors import InputError, shorten
 
 #: peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the families memplan knows (used when
 #: LoraConfig.target_modules is None)
@@ -40,15 +39,10 @@ _IGNORED_KEYS = ("peft_type", "task_type", "base_model_name_or_path", "revision"
 
 def load_peft_config(path: str, flag: str) -> dict[str, Any]:
     """adapter_config.json → LoraSpec fields (InputError naming ``flag`` and the key on bad input)."""
-    from .options import require_regular_file
+    from .inputs import read_json
 
-    require_regular_file(path, flag)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise InputError(flag, f"{path!r} is not a readable adapter_config.json ({type(err).__name__})") from None
-    return lora_fields(raw, flag)
+    # peft's PeftConfigMixin.from_json_file: json.load of the text (a BOM refused, the last duplicate wins)
+    return lora_fields(read_json(path, flag, "json", "adapter_config.json"), flag)
 
 
 def lora_fields(raw: Any, flag: str) -> dict[str, Any]:
@@ -57,13 +51,13 @@ def lora_fields(raw: Any, flag: str) -> dict[str, Any]:
         raise InputError(flag, "must be a JSON object as peft's LoraConfig.save_pretrained writes it")
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise InputError(f"{flag} peft_type", f"{str(peft_type)[:20]!r} is not modelled; allowed: LORA")
+        raise InputError(f"{flag} peft_type", f"{shorten(peft_type, 20)} is not modelled; allowed: LORA")
     unknown = [k for k in raw if k not in _MEMORY_KEYS and k not in _IGNORED_KEYS]
     if unknown:
-        raise InputError(f"{flag} {unknown[0][:40]}", "is not a LoraConfig field")
+        raise InputError(f"{flag} {shorten(unknown[0], 40)[1:-1]}", "is not a LoraConfig field")
     r = raw.get("r", 8)
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise InputError(f"{flag} r", f"{r!r} must be a positive integer")
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= 2**16:  # LoraSpec.rank's bound
+        raise InputError(f"{flag} r", f"{shorten(r)} must be a positive integer up to 65536")
     targets = raw.get("target_modules")
     if targets is None:
         targets = (DEFAULT,)
@@ -78,10 +72,10 @@ def lora_fields(raw: Any, flag: str) -> dict[str, Any]:
         raise InputError(f"{flag} target_modules", "must be a non-empty list of module names or all-linear")
     dropout = raw.get("lora_dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise InputError(f"{flag} lora_dropout", f"{dropout!r} must be a number in [0, 1)")
+        raise InputError(f"{flag} lora_dropout", f"{shorten(dropout)} must be a number in [0, 1)")
     bias = raw.get("bias", "none")
     if bias not in ("none", "all", "lora_only"):
-        raise InputError(f"{flag} bias", f"{str(bias)[:20]!r} is not allowed; allowed: none, all, lora_only")
+        raise InputError(f"{flag} bias", f"{shorten(bias, 20)} is not allowed; allowed: none, all, lora_only")
     saved = raw.get("modules_to_save") or ()
     if not isinstance(saved, (list, tuple)) or not all(isinstance(x, str) for x in saved):
         raise InputError(f"{flag} modules_to_save", "must be a list of module names")
@@ -90,7 +84,7 @@ def lora_fields(raw: Any, flag: str) -> dict[str, Any]:
             raise InputError(f"{flag} {key}", "must be true or false")
     alpha = raw.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise InputError(f"{flag} lora_alpha", f"{alpha!r} must be a positive number")
+        raise InputError(f"{flag} lora_alpha", f"{shorten(alpha)} must be a positive number")
     return {"rank": r, "alpha": float(alpha), "targets": targets, "dropout": float(dropout), "bias": bias,
             "modules_to_save": tuple(saved), "use_rslora": raw.get("use_rslora", False),
             "use_dora": raw.get("use_dora", False)}
@@ -114,6 +108,6 @@ def resolve_targets(family: str, targets: tuple[str, ...], linear_modules: tuple
     missing = [t for t in targets if not any(module_matches(m, t) for m in linear_modules)]
     if missing:
         leaves = sorted({m.rsplit(".", 1)[-1] for m in linear_modules})
-        raise ValueError(f"LoRA target {missing[0]!r} is not a linear module of this model; allowed: "
+        raise ValueError(f"LoRA target {shorten(missing[0])} is not a linear module of this model; allowed: "
                          f"{', '.join(leaves)} or all-linear")
     return chosen

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, shorten
 from .hfconfig import model_from_config, read_json
 from .specs import ModelSpec
 
@@ -57,5 +57,4 @@ def load_model(name_or_path: str) -> ModelSpec:
         cfg = read_json(path)
         return model_from_config(cfg, name=name, source=str(cfg.get("_memplan_source", f"config file {path}")))
     presets = ", ".join(_preset_names())
-    shown = name if len(name) <= 60 else name[:57] + "..."
-    raise InputError("model", f"unknown preset {shown!r}; presets: {presets} or a path to a config.json")
+    raise InputError("model", f"unknown preset {shorten(name)}; presets: {presets} or a path to a config.json")

@@ -9,7 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bloom", "mixtral"]
+from .modelspec import Family, LayerType, ModelSpec  # noqa: F401 - the model spec lives in its own module
+
 TrainDtype = Literal["bf16", "fp16", "fp32"]
 Checkpointing = Literal["none", "selective", "full"]
 Attention = Literal["flash", "sdpa", "eager"]
@@ -32,62 +33,6 @@ FREEZE_GROUPS = ("embeddings", "lm_head", "norms")
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ModelSpec(_Frozen):
-    """A decoder-only transformer as transformers implements its family (what `--model` resolves to)."""
-
-    name: str = Field(description="preset name or config path")
-    family: Family = Field(description="transformers model_type")
-    hidden_size: int = Field(gt=0)
-    num_layers: int = Field(gt=0, description="num_hidden_layers")
-    num_heads: int = Field(gt=0, description="num_attention_heads")
-    num_kv_heads: int = Field(gt=0, description="num_key_value_heads (= num_heads without GQA)")
-    head_dim: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0, description="MLP width (per expert for MoE)")
-    vocab_size: int = Field(gt=0)
-    max_position_embeddings: int = Field(gt=0)
-    tie_word_embeddings: bool = False
-    attention_bias: bool = Field(False, description="bias on q/k/v projections")
-    attention_out_bias: bool = Field(False, description="bias on the attention output projection")
-    mlp_bias: bool = False
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    gated_mlp: bool = Field(True, description="gate/up/down (SwiGLU) vs fc_in/fc_out")
-    activation: str = "silu"
-    position_embedding: Literal["rope", "learned", "alibi"] = "rope"
-    parallel_residual: bool = Field(False, description="GPT-NeoX: attention and MLP read the same input")
-    qk_norm: bool = Field(False, description="Qwen3: RMSNorm on q and k per head")
-    embedding_norm: bool = Field(False, description="BLOOM: LayerNorm after the word embeddings")
-    rotary_pct: float = Field(1.0, gt=0, le=1, description="GPT-NeoX: share of head_dim that gets RoPE (rotary_pct)")
-    hidden_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention and MLP outputs (gpt2 resid_pdrop)")
-    attention_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention probabilities (gpt2 attn_pdrop)")
-    embedding_dropout: float = Field(0.0, ge=0, lt=1, description="dropout after the embeddings (gpt2 embd_pdrop)")
-    sliding_window: int | None = Field(None, gt=0, description="sliding-window attention span (Mistral); None: off")
-    num_experts: int = Field(0, ge=0, description="MoE experts per layer (0: dense)")
-    num_experts_per_tok: int = Field(0, ge=0)
-    source: str = Field("", description="where the numbers come from")
-
-    @model_validator(mode="after")
-    def _check(self) -> ModelSpec:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be divisible by num_key_value_heads ({self.num_kv_heads})"
-            )
-        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
-            )
-        return self
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the query projection output: heads · head_dim."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of each key / value projection output: kv_heads · head_dim."""
-        return self.num_kv_heads * self.head_dim
 
 
 class ZeroSpec(_Frozen):
@@ -157,6 +102,55 @@ class AllocatorSpec(_Frozen):
         return ",".join(parts)
 
 
+class MegatronSpec(_Frozen):
+    """The Megatron flags that change activation memory (``model_impl="megatron"``). Field names follow
+    Megatron-DeepSpeed's megatron/arguments.py (microsoft/Megatron-DeepSpeed f4157bea); recompute granularity
+    is the job's ``checkpointing`` (none; selective = --recompute-granularity selective / --recompute-activations;
+    full = --checkpoint-activations or --recompute-granularity full); flash is the job's ``attention`` "flash"
+    (eager and sdpa both mean Megatron's unfused CoreAttention)."""
+
+    codebase: Literal["megatron-deepspeed", "megatron-core"] = Field(
+        "megatron-deepspeed", description="megatron-deepspeed: Megatron-DeepSpeed's GPT (pretrain_gpt.py); "
+        "megatron-core: megatron-core 0.16.1's GPTModel with the local layer spec, as memplan's harness builds it")
+    flash_variant: Literal["v1", "v2", "triton", "builder"] = Field(
+        "v2", description="--use-flash-attn(-v1) / -v2 / -triton / -builder, when attention is flash")
+    recompute_method: Literal["uniform", "block"] = Field("uniform", description="--recompute-method (full only)")
+    recompute_num_layers: int = Field(1, gt=0, description="--recompute-num-layers / --checkpoint-num-layers")
+    distribute_saved_activations: bool = Field(False, description="--distribute-saved-activations (tp > 1)")
+    masked_softmax_fusion: bool = Field(True, description="False: --no-masked-softmax-fusion")
+    bias_gelu_fusion: bool = Field(True, description="False: --no-bias-gelu-fusion")
+    bias_dropout_fusion: bool = Field(True, description="False: --no-bias-dropout-fusion")
+    attention_softmax_in_fp32: bool = Field(
+        True, description="softmax in fp32 on the unfused path (Megatron-DeepSpeed: on unless "
+        "--no-query-key-layer-scaling without --attention-softmax-in-fp32)")
+    hidden_dropout: float = Field(0.1, ge=0, lt=1, description="--hidden-dropout")
+    attention_dropout: float = Field(0.1, ge=0, lt=1, description="--attention-dropout")
+    deepspeed_activation_checkpointing: bool = Field(False, description="--deepspeed-activation-checkpointing")
+    partition_activations: bool = Field(False, description="--partition-activations (DeepSpeed checkpointing)")
+    contigious_checkpointing: bool = Field(False, description="--contigious-checkpointing (Megatron's spelling)")
+    checkpoint_in_cpu: bool = Field(False, description="--checkpoint-in-cpu (DeepSpeed checkpointing)")
+    pipeline_engine: bool = Field(
+        True, description="GPTModelPipe under DeepSpeed's PipelineEngine (False: --no-pipeline-parallel)")
+    make_vocab_size_divisible_by: int = Field(128, gt=0, description="--make-vocab-size-divisible-by")
+    mem_efficient_ln: bool = Field(
+        True, description="apex's memory-efficient LayerNorm saves its output, not its input (False: "
+        "--disable-mem-efficient-ln; megatron-core's local spec uses torch.nn.LayerNorm, which saves the input)")
+
+    @model_validator(mode="after")
+    def _check(self) -> MegatronSpec:
+        deepspeed_only = [f for f in ("deepspeed_activation_checkpointing", "partition_activations",
+                                      "contigious_checkpointing", "checkpoint_in_cpu") if getattr(self, f)]
+        if self.codebase == "megatron-core" and deepspeed_only:
+            raise ValueError(f"megatron {deepspeed_only[0]} is DeepSpeed activation checkpointing, which "
+                             "megatron-core does not have; allowed: codebase megatron-deepspeed")
+        if (self.partition_activations or self.checkpoint_in_cpu or self.contigious_checkpointing) and not \
+                self.deepspeed_activation_checkpointing:
+            raise ValueError("megatron partition_activations / checkpoint_in_cpu / contigious_checkpointing need "
+                             "--deepspeed-activation-checkpointing (megatron/initialize.py configures DeepSpeed's "
+                             "checkpointing only then)")
+        return self
+
+
 class TrainingSpec(_Frozen):
     """What one rank does per step: tokens, dtype, checkpointing, attention, optimizer, ZeRO."""
 
@@ -181,6 +175,18 @@ class TrainingSpec(_Frozen):
                                     "lm_head, norms, layers:N (the first N layers)")
     allocator: AllocatorSpec = AllocatorSpec()
     model_impl: ModelImpl = Field("transformers", description="which code builds the model")
+    megatron: MegatronSpec = Field(MegatronSpec(), description="Megatron's memory flags (model_impl megatron)")
+
+    @model_validator(mode="after")
+    def _check_megatron(self) -> TrainingSpec:
+        if self.model_impl != "megatron":
+            return self
+        if self.lora is not None or self.freeze:
+            raise ValueError("model_impl megatron trains every parameter (Megatron-DeepSpeed has no LoRA or "
+                             "frozen groups); allowed: no --lora-*/--peft-config/--freeze")
+        if self.loop == "hf-trainer":
+            raise ValueError("model_impl megatron runs Megatron's own training loop; allowed: --loop outputs or loss")
+        return self
 
     @model_validator(mode="after")
     def _check_freeze(self) -> TrainingSpec:

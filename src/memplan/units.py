@@ -39,21 +39,29 @@ _SIZE_FACTORS = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
 }
+#: the largest size memplan takes (1 EiB: no device, host or disk comes near; keeps sizes exact ints)
+MAX_SIZE_BYTES = 2**60
+SIZE_ALLOWED = "allowed: a positive size with a unit, such as 24GiB, 80GB or 512MiB (B for bytes)"
 
 
 def parse_size_bytes(text: str) -> int:
-    """Parse a size such as ``24GiB``, ``80GB``, ``1.5TiB`` or a plain byte count into integer bytes.
+    """Parse a size such as ``24GiB``, ``80GB``, ``1.5TiB`` or ``4096B`` into integer bytes.
 
-    A bare number is bytes. Raises ValueError naming what is allowed.
+    The one size rule of every command: a unit is required (a bare ``24`` would silently mean 24 bytes), the
+    size must be positive and at most MAX_SIZE_BYTES. Raises ValueError saying which rule failed.
     """
-    m = _SIZE_RE.match(str(text))
+    m = _SIZE_RE.match(str(text)) if len(str(text)) <= 100 else None
     if not m:
-        raise ValueError(f"{text!r} is not a size; use a number with a unit such as 24GiB, 80GB or 512MiB")
+        raise ValueError(f"is not a size; {SIZE_ALLOWED}")
+    if m.group(2) is None:
+        raise ValueError(f"has no unit; {SIZE_ALLOWED}")
     value = float(m.group(1))
-    unit = (m.group(2) or "B").upper()
+    unit = m.group(2).upper()
+    if not value * _SIZE_FACTORS[unit] <= MAX_SIZE_BYTES:  # also catches inf (1e999GiB)
+        raise ValueError(f"is too large; allowed: a size up to 1 EiB ({MAX_SIZE_BYTES} bytes)")
     out = round(value * _SIZE_FACTORS[unit])
     if out <= 0:
-        raise ValueError(f"{text!r} must be a positive size")
+        raise ValueError(f"is not positive; {SIZE_ALLOWED}")
     return out
 
 

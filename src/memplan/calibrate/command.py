@@ -68,9 +68,11 @@ def _render(cal: Calibration, out: str, before: dict, after: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     """Fit, write, report. Returns 0; bad input raises InputError (exit 2 in memplan.cli)."""
     from .. import __version__
+    from ..outputs import check_file
     from .files import points_of, read_rows, write_calibration
     from .fit import fit
 
+    check_file(args.out, "--out")  # a device, FIFO or folder there is refused before any work
     points, envs = points_of(read_rows(args.rows))
     created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     cal = fit(points, envs, created_at=created_at, memplan_version=__version__)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..errors import InputError, from_pydantic
+from ..errors import InputError, from_pydantic, shorten
 from .fit import MIN_ROWS, Calibration, Environment, Point
 
 #: what a directory argument contributes (as in memplan.accuracy.iter_rows)
@@ -25,38 +25,38 @@ MAX_BYTES = 2**60
 
 
 def row_files(paths: list[str]) -> list[Path]:
-    """Each path as given, a directory as every rows*.jsonl in it (sorted)."""
+    """Each path as given, a directory as every rows*.jsonl in it (sorted); each must be a regular file
+    (memplan.inputs.check_regular: a FIFO or a device is refused before anything is opened)."""
+    from ..inputs import check_regular, shown_path
+
     out: list[Path] = []
     for text in paths:
         path = Path(text)
-        if path.is_dir():
+        try:
+            is_dir = path.is_dir()
+        except (OSError, ValueError):  # a name too long, a NUL byte: check_regular names the problem
+            is_dir = False
+        if is_dir:
             found = sorted(path.glob(ROWS_GLOB))
             if not found:
-                raise InputError("ROWS", f"{text}: no {ROWS_GLOB} in this directory; allowed: a folder of verify rows")
+                raise InputError("ROWS", f"{shown_path(text)}: no {ROWS_GLOB} in this directory; allowed: a folder "
+                                         "of verify rows")
             out += found
-        elif path.is_file():
-            out.append(path)
         else:
-            raise InputError("ROWS", f"{text}: no such file or directory; allowed: a rows .jsonl file or a folder")
+            out.append(path)
+    for path in out:
+        check_regular(path, "ROWS", "rows .jsonl file")
     return out
 
 
 def read_rows(paths: list[str]) -> list[tuple[str, Any]]:
-    """(``file:line``, parsed JSON) for every non-blank line of every rows file."""
+    """(``file:line``, parsed JSON) for every non-blank line of every rows file (memplan.inputs: UTF-8,
+    duplicate keys refused, nesting and number sizes bounded)."""
+    from ..inputs import path_label, read_json_lines
+
     rows = []
     for path in row_files(paths):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeError) as exc:
-            raise InputError("ROWS", f"{path}: cannot read ({exc}); allowed: a UTF-8 JSON-lines file") from None
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                rows.append((where, json.loads(line)))
-            except (ValueError, RecursionError) as exc:
-                raise InputError(where, f"invalid JSON ({exc}); allowed: one verify row (a JSON object) a line") from None
+        rows += [(f"ROWS {path_label(path)}:{number}", value) for number, value in read_json_lines(path, "ROWS")]
     return rows
 
 
@@ -108,14 +108,17 @@ def _check_row(where: str, row: Any) -> bool:
     if _need(where, row, "status", str, "ok, oom, error, timeout or unsupported") != "ok":
         return False
     if row.get("mode", "emulated") not in ("emulated", "real"):
-        raise InputError(f"{where}: mode", f"got {row['mode']!r}; allowed: emulated, real")
+        raise InputError(f"{where}: mode", f"got {shorten(row['mode'])}; allowed: emulated, real")
     for key in ("steps", "skipped_steps"):
         if key in row and (not isinstance(row[key], int) or isinstance(row[key], bool) or row[key] < 0):
             raise InputError(f"{where}: {key}", "allowed: a non-negative integer")
+    from ..bounds import check_job
+
     try:
-        Job.model_validate(_need(where, row, "job", dict, "the row's Job (model, training, layout)"))
+        job = Job.model_validate(_need(where, row, "job", dict, "the row's Job (model, training, layout)"))
     except ValidationError as exc:
         raise from_pydantic(exc, prefix=f"{where}: job.") from None
+    check_job(job, f"{where}: job.")
     _check_measured(where, row)
     return True
 
@@ -142,32 +145,26 @@ def points_of(rows: list[tuple[str, Any]]) -> tuple[list[Point], list[Environmen
     return points, envs
 
 
-def load_calibration(path: str) -> Calibration:
-    """The calibration file at ``path``; InputError naming the field on anything else."""
-    field = f"--calibration {path}"
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeError) as exc:
-        raise InputError(field, f"cannot read ({exc}); allowed: a file from memplan calibrate") from None
-    except (ValueError, RecursionError) as exc:
-        raise InputError(field, f"invalid JSON ({exc}); allowed: a file from memplan calibrate") from None
-    if not isinstance(data, dict):
-        raise InputError(field, f"got {type(data).__name__}; allowed: a JSON object from memplan calibrate")
+def load_calibration(path: str, flag: str = "--calibration") -> Calibration:
+    """The calibration file at ``path`` (memplan.inputs, memplan's own JSON); InputError naming ``flag`` and
+    the key on anything else."""
+    from ..inputs import read_json_object, shown_path
+
+    data = read_json_object(path, flag, "memplan", "calibration file from memplan calibrate")
     try:
         return Calibration.model_validate(data)
     except ValidationError as exc:
         err = from_pydantic(exc)
-        raise InputError(field if err.field == "input" else f"{field}: {err.field}", err.message) from None
+        field = flag if err.field == "input" else f"{flag} {err.field}"
+        raise InputError(field, f"{err.message} (in {shown_path(path)})") from None
 
 
-def write_calibration(cal: Calibration, path: str) -> None:
-    """Write ``cal`` as JSON to ``path`` atomically (a temp file in the same folder, then os.replace)."""
-    from ..verify.envinfo import write_text_atomic
+def write_calibration(cal: Calibration, path: str, flag: str = "--out") -> None:
+    """Write ``cal`` as JSON to ``path``, atomically, never over a device, FIFO or folder
+    (memplan.outputs.write_files)."""
+    from ..outputs import write_files
 
-    try:
-        write_text_atomic(path, json.dumps(cal.model_dump(mode="json"), indent=1) + "\n")
-    except OSError as exc:
-        raise InputError("--out", f"{path}: cannot write ({exc.strerror or exc}); allowed: a writable path") from None
+    write_files({path: json.dumps(cal.model_dump(mode="json"), indent=1) + "\n"}, flag)
 
 
 def apply_file(est, path: str):

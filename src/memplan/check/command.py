@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import get_args
 
 from pydantic import ValidationError
 
+from ..bounds import count_type, rank_count
 from ..dsconfig import apply_to_job_fields, load_ds_config
 from ..errors import InputError
-from ..specs import Job, Layout, ModelSpec, TrainingSpec, ZeroSpec
-from . import rules_ds, rules_job
+from ..specs import Job, Layout, Loop, ModelSpec, TrainingSpec, ZeroSpec
+from . import rules_ds, rules_hf, rules_job
 from .findings import Finding, error, info, sort_findings
 from .launch import Launch, parse_launch, read_launch_file
 
@@ -29,41 +32,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--launch", metavar="COMMAND", help="the launch line (deepspeed / torchrun / accelerate launch)")
     g.add_argument("--launch-file", metavar="FILE", help="a shell file holding the launch line")
     parser.add_argument("--model", metavar="NAME|PATH", help="model preset or config.json")
-    parser.add_argument("--gpus", type=_positive, metavar="N", help="world size (default: from the launch line)")
-    parser.add_argument("--nodes", type=_positive, metavar="N", help="nodes (gpus per node = gpus / nodes)")
-    parser.add_argument("--seq", type=_positive, metavar="N", help="tokens per sequence (default: --seq-length)")
+    parser.add_argument("--gpus", type=rank_count, metavar="N", help="world size (default: from the launch line)")
+    parser.add_argument("--nodes", type=rank_count, metavar="N", help="nodes (gpus per node = gpus / nodes)")
+    parser.add_argument("--seq", type=count_type(), metavar="N", help="tokens per sequence (default: --seq-length)")
     parser.add_argument("--gpu", metavar="NAME|SIZE", help="a100-80g, h100-80g, ... or a size")
     parser.add_argument("--target", metavar="SIZE", help="per-GPU budget, e.g. 24GiB")
+    parser.add_argument("--loop", choices=get_args(Loop),
+                        help="the training loop; hf-trainer: transformers' Trainer fills the config's \"auto\" "
+                             "(default: hf-trainer when --training-args or Trainer flags are given)")
+    parser.add_argument("--training-args", metavar="FILE",
+                        help="TrainingArguments JSON (to_json_string()); the launch line's Trainer flags win")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
-    return int(text)
-
-
 def _read_model(name: str | None) -> tuple[ModelSpec | None, dict | None]:
+    """The --model spec, and (a config.json path) the file's keys as transformers reads them (memplan.inputs)."""
     if not name:
         return None, None
-    from ..presets import load_model
+    from ..inputs import read_json_object
+    from ..options import model_from_arg
+    from ..presets import list_presets
 
-    model = load_model(name)
-    raw = None
-    if name.endswith(".json"):
-        try:
-            with open(name, encoding="utf-8") as fh:
-                raw = json.load(fh)
-        except (OSError, ValueError):
-            raw = None
-    return model, raw if isinstance(raw, dict) else None
+    model = model_from_arg(name, "--model")
+    if name.strip() in list_presets():
+        return model, None
+    return model, read_json_object(Path(name.strip()).expanduser(), "--model", "json", "config.json")
 
 
 def collect(cfg: dict, launch: Launch | None, model: ModelSpec | None, raw: dict | None,
-            gpus: int | None, seq: int | None) -> tuple[list[Finding], dict]:
+            gpus: int | None, seq: int | None, loop: str | None = None, training_args=None,
+            ds_path: str | None = None) -> tuple[list[Finding], dict]:
     """All findings, and what the job as launched is (for the estimate)."""
-    settings, findings = rules_ds.ds_rules(cfg)
     megatron = launch is not None and rules_job.is_megatron(launch)
+    trainer, hf_findings = rules_hf.trainer_reading(cfg, launch, model, gpus, megatron, loop, training_args, ds_path)
+    if trainer is not None and trainer.fill is not None:
+        cfg = trainer.fill.config  # what DeepSpeed receives from the Trainer
+    settings, findings = rules_ds.ds_rules(cfg, trainer=trainer is not None)
+    findings += hf_findings
     if launch is not None:
         findings += rules_job.launcher_rules(launch)
         if megatron:
@@ -76,6 +81,7 @@ def collect(cfg: dict, launch: Launch | None, model: ModelSpec | None, raw: dict
     if model is not None:
         findings += rules_job.model_shape_rules(model, lay, seq)
         findings += rules_job.model_config_rules(raw, model, launch, megatron, lay)
+        findings += rules_job.zero3_padding_rule(model, stage, megatron)
     batch = None
     if settings is not None:
         more, batch = rules_job.batch_rules(settings, lay, launch, megatron)
@@ -83,7 +89,7 @@ def collect(cfg: dict, launch: Launch | None, model: ModelSpec | None, raw: dict
         if megatron:
             findings += rules_job.megatron_ds_rules(launch, settings, model)
     return findings, {"settings": settings, "layout": lay, "batch": batch, "seq": seq, "megatron": megatron,
-                      "launch": launch}
+                      "launch": launch, "trainer": trainer}
 
 
 def _training(ctx: dict, model: ModelSpec) -> TrainingSpec:
@@ -99,13 +105,19 @@ def _training(ctx: dict, model: ModelSpec) -> TrainingSpec:
         training.update(micro_batch=ctx["batch"]["micro_batch"], grad_accum=ctx["batch"]["grad_accum"])
     if zero.get("offload_optimizer") in ("cpu", "nvme") and training.get("optimizer", "adamw") == "adamw":
         training["optimizer"] = "cpu_adam"  # what DeepSpeed needs under offload (see the offload finding)
+    if ctx.get("trainer") is not None:  # the Trainer's loop, checkpointing and optimizer (memplan.hf.job)
+        training.update(ctx["trainer"].fields)
     if ctx["megatron"]:
         if launch.has("--checkpoint-activations") or launch.script_value("--recompute-granularity") == "full":
             training["checkpointing"] = "full"
         elif launch.has("--recompute-activations") or launch.script_value("--recompute-granularity") == "selective":
             training["checkpointing"] = "selective"
-        flash = any(launch.has(f) for f in ("--use-flash-attn-v2", "--use-flash-attn", "--use-flash-attn-v1"))
+        flash = any(launch.has(f) for f in ("--use-flash-attn-v2", "--use-flash-attn", "--use-flash-attn-v1",
+                                            "--use-flash-attn-triton", "--use-flash-attn-builder"))
         training["attention"] = "flash" if flash else "eager"
+        from ..megatron.launch import megatron_spec_from_launch  # a Megatron-DeepSpeed launch builds Megatron's GPT
+
+        training.update(model_impl="megatron", megatron=megatron_spec_from_launch(launch))
     return TrainingSpec(seq_len=ctx["seq"] or model.max_position_embeddings, zero=ZeroSpec(**zero), **training)
 
 
@@ -151,11 +163,11 @@ def estimate_for(ctx: dict, model: ModelSpec | None, args) -> tuple[object | Non
 
 def _budget(args) -> tuple[int | None, str | None, int | None]:
     target = None
-    if args.target:
+    if args.target is not None:
         from ..cli import _target_bytes
 
         target = _target_bytes(args.target)
-    if args.gpu:
+    if args.gpu is not None:
         from ..gpus import resolve_gpu
 
         gpu = resolve_gpu(args.gpu)
@@ -165,11 +177,23 @@ def _budget(args) -> tuple[int | None, str | None, int | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Check a DeepSpeed config and launch line; exit 1 on any error finding, 0 otherwise, 2 on bad input."""
-    cfg = load_ds_config(args.ds_config)
-    text = read_launch_file(args.launch_file) if args.launch_file else args.launch
-    launch = parse_launch(text) if text else None
+    if args.target is not None or args.gpu is not None:  # bad sizes are refused before any file is read
+        _budget(args)
+    cfg = load_ds_config(args.ds_config, flag="--ds-config")
+    if args.launch_file is not None:
+        launch = parse_launch(read_launch_file(args.launch_file, "--launch-file"), "--launch-file")
+    elif args.launch is not None:  # an empty --launch is refused, as an empty file is
+        launch = parse_launch(args.launch, "--launch")
+    else:
+        launch = None
     model, raw = _read_model(args.model)
-    findings, ctx = collect(cfg, launch, model, raw, args.gpus, args.seq)
+    training_args = None
+    if getattr(args, "training_args", None):
+        from ..hf.args import load_training_args
+
+        training_args = load_training_args(args.training_args)
+    findings, ctx = collect(cfg, launch, model, raw, args.gpus, args.seq, getattr(args, "loop", None), training_args,
+                            args.ds_config)
     est, label, more = estimate_for(ctx, model, args)
     findings = sort_findings(findings + more)
     if args.json:

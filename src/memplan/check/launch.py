@@ -7,11 +7,11 @@ allow_abbrev=True, so a unique prefix is accepted; accelerate and Megatron-DeepS
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from ..bounds import MAX_COUNT, MAX_RANKS, int_argument
 from ..errors import InputError
 from .tables import launcher_flags
 
@@ -27,6 +27,7 @@ class Launch(BaseModel):
     script: str | None = None
     script_args: tuple[tuple[str, str | None], ...] = ()  # (flag as written, value or None), in order
     positionals: tuple[str, ...] = ()
+    source: str = "--launch"  # the flag the line came from (--launch or --launch-file), for error messages
 
     def script_value(self, *flags: str) -> str | None:
         """The last value given for any of ``flags`` (as argparse keeps the last)."""
@@ -40,29 +41,40 @@ class Launch(BaseModel):
         return any(f == flag for f, _ in self.script_args)
 
 
-def read_launch_file(path: str) -> str:
-    """The launch line from a shell file; unreadable → InputError('--launch-file', ...)."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError("--launch-file", f"{path}: cannot read ({getattr(err, 'strerror', None) or 'not text'})") \
-            from None
+def read_launch_file(path: str, flag: str = "--launch-file") -> str:
+    """The text of a shell file holding the launch line (memplan.inputs.read_launch_file: a regular UTF-8
+    file of at most ARG_MAX bytes; FIFOs, devices, huge files refused)."""
+    from ..inputs import read_launch_file as read
+
+    return read(path, flag)
 
 
-def _tokens(text: str) -> list[str]:
-    """The command's words: comments and line continuations removed; the first command line only."""
-    lines = [ln for ln in text.replace("\\\r\n", " ").replace("\\\n", " ").splitlines()
-             if ln.strip() and not ln.lstrip().startswith("#")]
-    for line in lines:
-        try:
-            words = shlex.split(line, comments=True)
-        except ValueError as err:
-            raise InputError("--launch", f"cannot split the command line ({err})") from None
-        while words and "=" in words[0] and not words[0].startswith("-"):  # VAR=value prefixes
+#: words that start a command without being the command (skipped when looking for the launch)
+_PREFIXES = ("exec", "nohup", "time", "env")
+_NOT_LAUNCH = ("export", "set", "cd", "source", ".", "ulimit", "unset", "echo", "mkdir", "module", "conda",
+               "printf", "true", ":")
+_LAUNCHERS = ("deepspeed", "torchrun", "accelerate")
+
+
+def _tokens(text: str, flag: str = "--launch") -> list[str]:
+    """The launch command's words: the first command whose program is a launcher (deepspeed, torchrun,
+    accelerate launch, python), else the first that is not a shell set-up command (export, cd, ...);
+    VAR=value and exec/nohup/env prefixes dropped."""
+    candidates = []
+    from .shell import shell_commands
+
+    for words in shell_commands(text, flag):
+        while words and ("=" in words[0] and not words[0].startswith(("-", "=")) or words[0] in _PREFIXES):
             words = words[1:]
-        if words and words[0] not in ("export", "set", "cd"):
+        if words and words[0] not in _NOT_LAUNCH:
+            candidates.append(words)
+    for words in candidates:
+        head = Path(words[0]).name
+        if head in _LAUNCHERS or head.startswith("python"):
             return words
-    raise InputError("--launch", "no command found; give a deepspeed, torchrun, accelerate launch or python line")
+    if candidates:
+        return candidates[0]
+    raise InputError(flag, "no command found; allowed: a deepspeed, torchrun, accelerate launch or python line")
 
 
 def resolve_flag(flag: str, table: dict[str, bool], allow_abbrev: bool) -> str | None:
@@ -149,43 +161,125 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def parse_launch(text: str) -> Launch:
-    """Parse a launch line (shell text: continuations and comments allowed)."""
-    launcher, rest = _launcher_of(_tokens(text))
+def parse_launch(text: str, flag: str = "--launch") -> Launch:
+    """Parse a launch line (shell text: continuations, comments and several commands allowed; the launch is
+    the command memplan.check.launch._tokens picks). ``flag`` (--launch or --launch-file) names the input in
+    errors; empty or comment-only text is refused."""
+    from ..inputs import launch_text
+
+    launcher, rest = _launcher_of(_tokens(launch_text(text, flag), flag))
     options, unknown, tail = _split_launcher(launcher, rest)
     script = tail[0] if tail else None
     args, positionals = _script_args(tail[1:]) if tail else ([], [])
-    return Launch(launcher=launcher, launcher_options=options, launcher_unknown=tuple(unknown), script=script,
-                  script_args=tuple(args), positionals=tuple(positionals))
+    launch = Launch(launcher=launcher, launcher_options=options, launcher_unknown=tuple(unknown), script=script,
+                    script_args=tuple(args), positionals=tuple(positionals), source=flag)
+    from .rules_job import is_megatron
+
+    check_counts(launch, is_megatron(launch))
+    return launch
 
 
-def _count_include(spec: str) -> int | None:
+#: Megatron-DeepSpeed's integer flags memplan reads (megatron/arguments.py at the commit in tables.json: each is
+#: type=int, so its argparse refuses '2.5' or 'inf'): flag → (least, most). The layout sizes must be at least
+#: 1 (validate_args divides the world by them: 0 is a ZeroDivisionError there); --zero-stage takes any int
+#: (pretrain_gpt.py only compares it with 3). --sequence-parallel-size is not a Megatron flag (rules_job
+#: reports it) but memplan reads it as the sp the line means.
+MEGATRON_COUNTS: dict[str, tuple[int, int]] = {
+    "--tensor-model-parallel-size": (1, MAX_RANKS), "--pipeline-model-parallel-size": (1, MAX_RANKS),
+    "--ds-sequence-parallel-size": (1, MAX_RANKS), "--sequence-parallel-size": (1, MAX_RANKS),
+    "--micro-batch-size": (1, MAX_COUNT), "--global-batch-size": (1, MAX_COUNT), "--seq-length": (1, MAX_COUNT),
+    "--num-layers": (1, MAX_COUNT), "--hidden-size": (1, MAX_COUNT), "--num-attention-heads": (1, MAX_COUNT),
+    "--max-position-embeddings": (1, MAX_COUNT), "--zero-stage": (-(2**63), 2**63 - 1),
+}
+#: launcher options that are counts (deepspeed launcher/runner.py: --num_gpus/--num_nodes type=int, <= 0 means
+#: "all"; accelerate launch: --num_processes/--num_machines type=int), and torchrun's (torch/distributed/run.py:
+#: --nproc-per-node str, an int or auto/cpu/gpu/xpu; --nnodes str, N or MIN:MAX)
+LAUNCHER_COUNTS: dict[str, dict[str, tuple[int, int]]] = {
+    "deepspeed": {"--num_gpus": (-(2**31), MAX_RANKS), "--num_accelerators": (-(2**31), MAX_RANKS),
+                  "--num_nodes": (-(2**31), MAX_RANKS)},
+    "accelerate": {"--num_processes": (1, MAX_RANKS), "--num_machines": (1, MAX_RANKS)},
+}
+_TORCHRUN_DEVICES = ("auto", "cpu", "gpu", "xpu")
+
+
+def _field(launch: Launch, flag: str) -> str:
+    return f"{launch.source} {flag}"
+
+
+def script_int(launch: Launch, flag: str) -> int | None:
+    """The script flag's value as its argparse (type=int) reads it, bounded as MEGATRON_COUNTS says; None when
+    the flag is not given. InputError naming ``<--launch or --launch-file> <flag>`` otherwise."""
+    value = launch.script_value(flag)
+    if value is None:
+        return None
+    if value == "":
+        raise InputError(_field(launch, flag), "expected one argument (its argparse stops there); allowed: the flag "
+                                               "followed by an integer")
+    least, most = MEGATRON_COUNTS.get(flag, (1, MAX_COUNT))
+    return int_argument(value, _field(launch, flag), minimum=least, maximum=most)
+
+
+def launcher_int(launch: Launch, flag: str) -> int | None:
+    """A launcher option's count (LAUNCHER_COUNTS), None when not given; InputError when its argparse refuses it
+    or it is out of bounds."""
+    value = launch.launcher_options.get(flag)
+    if value is None:
+        return None
+    least, most = LAUNCHER_COUNTS.get(launch.launcher, {}).get(flag, (1, MAX_RANKS))
+    return int_argument(value, _field(launch, flag), minimum=least, maximum=most)
+
+
+def check_counts(launch: Launch, megatron: bool) -> None:
+    """Every count memplan reads from the line, checked once when it is parsed (the same bounds for every
+    command): the launcher's options, the world they make, and (Megatron-DeepSpeed lines) the script's flags."""
+    for flag in LAUNCHER_COUNTS.get(launch.launcher, {}):
+        launcher_int(launch, flag)
+    if megatron:
+        for flag in MEGATRON_COUNTS:
+            script_int(launch, flag)
+    launch_world(launch)
+
+
+def _count_include(launch: Launch, spec: str) -> int | None:
     """Slots named by deepspeed's --include NODE[:SLOT,...][@NODE...]; None when a node takes all its slots."""
     total = 0
     for node in spec.split("@"):
         if ":" not in node:
             return None
         total += len([s for s in node.split(":", 1)[1].split(",") if s])
-    return total
+    return _world(launch, "--include", total)
+
+
+def _world(launch: Launch, flags: str, world: int) -> int:
+    if world > MAX_RANKS:
+        raise InputError(_field(launch, flags), f"asks for {world} ranks; allowed: at most {MAX_RANKS} ranks")
+    return world
+
+
+def _torchrun_int(launch: Launch, flag: str, text: str) -> int:
+    return int_argument(text, _field(launch, flag), maximum=MAX_RANKS, unit="ranks")
 
 
 def launch_world(launch: Launch) -> int | None:
     """The world size the launch line asks for, when it says (None: decided by the hosts' GPUs)."""
     o = launch.launcher_options
-    try:
-        if launch.launcher == "deepspeed":
-            if o.get("--include"):
-                return _count_include(o["--include"])
-            gpus = o.get("--num_gpus") or o.get("--num_accelerators")
-            nodes = int(o.get("--num_nodes") or 1)
-            return int(gpus) * nodes if gpus and int(gpus) > 0 else None
-        if launch.launcher == "torchrun":
-            per_node = o.get("--nproc-per-node") or o.get("--nproc_per_node")
-            nodes = str(o.get("--nnodes") or "1").split(":")[-1]
-            return int(per_node) * int(nodes) if per_node and per_node.isdigit() else None
-        if launch.launcher == "accelerate":
-            n = o.get("--num_processes")
-            return int(n) if n else None
-    except ValueError:
-        return None
+    if launch.launcher == "deepspeed":
+        if o.get("--include"):
+            return _count_include(launch, o["--include"])
+        gpus = launcher_int(launch, "--num_gpus")
+        gpus = gpus if gpus is not None else launcher_int(launch, "--num_accelerators")
+        nodes = launcher_int(launch, "--num_nodes") or 1
+        if gpus is None or gpus <= 0:
+            return None  # <= 0: every GPU of each host (apply_num_nodes_and_gpus)
+        return _world(launch, "--num_gpus", gpus * max(nodes, 1))
+    if launch.launcher == "torchrun":
+        flag = "--nproc-per-node" if "--nproc-per-node" in o else "--nproc_per_node"
+        per_node = o.get(flag)
+        nodes_text = o.get("--nnodes") or "1"
+        nodes = [_torchrun_int(launch, "--nnodes", part) for part in str(nodes_text).split(":", 1)][-1]
+        if per_node is None or per_node.strip() in _TORCHRUN_DEVICES:
+            return None
+        return _world(launch, flag, _torchrun_int(launch, flag, per_node) * nodes)
+    if launch.launcher == "accelerate":
+        return launcher_int(launch, "--num_processes")
     return 1 if launch.launcher == "python" else None

@@ -75,8 +75,9 @@ def _at(cfg: dict, path: str):
     return node
 
 
-def settings_or_finding(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
-    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding.
+def settings_or_finding(cfg: dict, hf: bool = False) -> tuple[DsSettings | None, list[Finding]]:
+    """memplan's reading of the config; a value DeepSpeed refuses becomes an error finding. ``hf``: the job runs
+    under the Hugging Face Trainer, which fills "auto" values (memplan.dsconfig.ds_settings).
 
     An optimizer DeepSpeed builds but memplan does not model (Lamb, Adagrad, ...) is an info and is left out.
     """
@@ -93,7 +94,7 @@ def settings_or_finding(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
                          "write \"SGD\""))
         cfg = {**cfg, "optimizer": {**opt, "type": "SGD"}}
     try:
-        return ds_settings(cfg), out
+        return ds_settings(cfg, hf=hf), out
     except InputError as err:
         return None, out + [error(err.field, err.message, "see DeepSpeed's config documentation for allowed values")]
 
@@ -113,11 +114,6 @@ def value_rules(cfg: dict, s: DsSettings) -> list[Finding]:
     if isinstance(params, dict) and "max_grad_norm" in params:
         out.append(error("optimizer.params.max_grad_norm", "engine._configure_basic_optimizer raises ValueError: "
                          "max_grad_norm is not an optimizer parameter", "use top-level gradient_clipping"))
-    top_auto = [k for k in s.auto_keys if "." not in k]
-    if top_auto:
-        out.append(warning(", ".join(top_auto), "\"auto\" is filled in only by the Hugging Face Trainer / Accelerate "
-                           "integration; plain deepspeed.initialize keeps the string and its batch checks fail",
-                           "write numbers when launching without the HF integration"))
     if s.dtype == "fp16":
         window = s.fp16_loss_scale_window or 1000
         if not s.fp16_loss_scale:
@@ -134,10 +130,55 @@ def value_rules(cfg: dict, s: DsSettings) -> list[Finding]:
     return out
 
 
-def ds_rules(cfg: dict) -> tuple[DsSettings | None, list[Finding]]:
-    """All rules on the config alone, and memplan's reading of it (None when DeepSpeed would refuse a value)."""
+#: batch keys DeepSpeedConfig computes with (runtime/config.py _set_batch_related_parameters, _batch_assertion)
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def auto_rules(cfg: dict) -> list[Finding]:
+    """"auto" reaching plain DeepSpeed (no Trainer / Accelerate to fill it in). Top-level scalars are read with
+    get_scalar_param (the string is kept): a batch field "auto" makes DeepSpeedConfig raise TypeError ("'>' not
+    supported between instances of 'str' and 'int'" in _batch_assertion, or an int // str in
+    _set_batch_related_parameters). In the pydantic sections (DeepSpeedConfigModel) "auto" is dropped: the
+    field keeps DeepSpeed's default."""
+    auto = [k for k in _auto_paths(cfg)]
+    batch = [k for k in auto if k in BATCH_KEYS]
+    top = [k for k in auto if "." not in k and k not in BATCH_KEYS]
+    nested = [k for k in auto if "." in k]
+    hint = "if a Hugging Face Trainer launches it, pass --loop hf-trainer (the Trainer fills \"auto\")"
+    out = []
+    if batch:
+        out.append(error(", ".join(batch), "\"auto\" under plain DeepSpeed: DeepSpeedConfig keeps the string and "
+                         "raises TypeError in its batch arithmetic (runtime/config.py _batch_assertion / "
+                         "_set_batch_related_parameters)", f"write numbers; {hint}"))
+    if top:
+        out.append(warning(", ".join(top), "\"auto\" under plain DeepSpeed: get_scalar_param keeps the string, "
+                           "which DeepSpeed then compares with numbers", f"write a number; {hint}"))
+    if nested:
+        out.append(info(", ".join(nested), "\"auto\" under plain DeepSpeed: DeepSpeedConfigModel drops it, so each "
+                        "keeps DeepSpeed's default (runtime/config_utils.py)", hint))
+    return out
+
+
+def _auto_paths(cfg: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in cfg.items():
+        if value == "auto":
+            out.append(prefix + str(key))
+        elif isinstance(value, dict):
+            out += _auto_paths(value, f"{prefix}{key}.")
+    return out
+
+
+def ds_rules(cfg: dict, trainer: bool = False, hf: bool | None = None) -> tuple[DsSettings | None, list[Finding]]:
+    """All rules on the config alone, and memplan's reading of it (None when DeepSpeed would refuse a value).
+
+    ``trainer`` (or ``hf``): the Hugging Face Trainer fills the config (rules_hf reports what it left; see
+    settings_or_finding for the "auto" it accepts)."""
+    trainer = trainer or bool(hf)
     findings = removed_keys(cfg) + unknown_top_level(cfg) + strict_sections(cfg)
-    settings, more = settings_or_finding(cfg)
+    if not trainer:
+        findings += auto_rules(cfg)
+    settings, more = settings_or_finding(cfg, trainer)
     findings += more
     if settings is not None:
         findings += value_rules(cfg, settings)

@@ -92,8 +92,10 @@ def megatron_flag_rules(launch: Launch) -> list[Finding]:
 
 
 def _int(text: str | None, default: int) -> int:
+    """A script flag's value as its argparse type=int reads it (memplan.check.launch.check_counts has already
+    refused the counts memplan reads when they are not integers in bounds)."""
     try:
-        return int(float(text)) if text not in (None, "") else default
+        return int(text) if text not in (None, "") and len(text) <= 40 else default
     except ValueError:
         return default
 
@@ -185,6 +187,8 @@ def batch_rules(s: DsSettings, lay: Layout, launch: Launch | None, megatron: boo
         dp = lay.world
     out: list[Finding] = []
     if s.train_batch_size is None and s.micro_batch is None:
+        if {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(s.auto_keys):
+            return [], None  # "auto": rules_ds.auto_rules reports DeepSpeed's TypeError
         return [error("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is set "
                       "(DeepSpeedConfig asserts one is)", "set train_micro_batch_size_per_gpu")], None
     batch = derive_batch(s.train_batch_size, s.micro_batch, s.grad_accum, dp)
@@ -281,18 +285,44 @@ def model_config_rules(raw: dict | None, m: ModelSpec | None, launch: Launch | N
     return out
 
 
+#: keys a config class consumes without keeping them, or modeling code reads by getattr: rope_theta /
+#: rope_scaling (rope_local_base_freq) go into rope_parameters (convert_rope_params_to_dict); Gemma3TextConfig
+#: reads sliding_window_pattern, Phi3Config partial_rotary_factor from kwargs; Phi3/Qwen3Moe/Olmo2Attention
+#: read getattr(config, "head_dim", ...)
+_CONSUMED_KEYS = {"": ("rope_theta", "rope_scaling"), "gemma3_text": ("sliding_window_pattern", "rope_local_base_freq"),
+                  "phi3": ("head_dim", "partial_rotary_factor"), "qwen3_moe": ("head_dim",), "olmo2": ("head_dim",)}
+
+
 def unknown_model_keys(raw: dict, family: str) -> list[str]:
-    """Keys of config.json that transformers' config class for ``family`` does not define (needs transformers)."""
+    """Keys of config.json that transformers' config class for ``family`` does not define (needs transformers);
+    a gemma3 (multimodal) config is checked against Gemma3Config, whose text_config memplan reads."""
     try:
         from transformers import CONFIG_MAPPING
     except ImportError:
         return []
+    if raw.get("model_type") == "gemma3":
+        family = "gemma3"
     try:
         default = CONFIG_MAPPING[family]()
     except (KeyError, ValueError, TypeError):
         return []
-    renamed = {"torch_dtype"}  # PretrainedConfig still accepts the old name of dtype
+    renamed = {"torch_dtype", *_CONSUMED_KEYS[""], *_CONSUMED_KEYS.get(family, ())}  # torch_dtype: old name of dtype
     return [k for k in raw if not k.startswith("_") and k not in renamed and not hasattr(default, k)]
+
+
+def zero3_padding_rule(m: ModelSpec, stage: int, megatron: bool) -> list[Finding]:
+    """ZeRO-3 and an embedding with padding_idx (Gemma 2/3, Phi-3, OLMo 2 set pad_token_id): inside a plain
+    deepspeed.zero.Init, post_init's _init_weights (modeling_utils.py) zeroes weight[padding_idx] of a size-0
+    partition: IndexError, from_config and from_pretrained alike (verify/hfbuild.py build_model cites the fix)."""
+    if stage != 3 or megatron or m.pad_token_id is None:
+        return []
+    return [warning(
+        "model.pad_token_id", f"ZeRO-3 with pad_token_id {m.pad_token_id}: {m.family}'s nn.Embedding takes "
+        "padding_idx, and from_config / from_pretrained inside your own deepspeed.zero.Init() fail with IndexError "
+        "in transformers' _init_weights (weight[padding_idx] of a size-0 partition)",
+        "create transformers.integrations.HfDeepSpeedConfig(ds_config) and keep it alive, then call from_pretrained "
+        "/ from_config without entering deepspeed.zero.Init yourself (transformers partitions and initialises "
+        "under GatheredParameters; HF Trainer does this for you)")]
 
 
 def megatron_commit() -> str:

@@ -26,11 +26,40 @@ def _ranks_per_node(job: Job) -> int:
     return min(job.layout.world, job.layout.gpus_per_node)
 
 
-def quick_peak(job: Job, rank0: bool = False, stepped: bool = True) -> QuickPeak:
+def ledger_supported(job: Job) -> bool:
+    """Whether the allocation ledger (estimator/program.py) models this job yet; others use the phase lists."""
+    from .activations import sdpa_backend
+    from .families import FORWARD
+
+    t, z, lay, m = job.training, job.training.zero, job.layout, job.model
+    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1 and z.offload_param == "none"
+            and (z.offload_optimizer == "none" or z.stage in (1, 2))
+            and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
+            and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
+            and t.dtype in ("bf16", "fp16") and sdpa_backend(m, 2, t.attention) == "flash" and t.attention != "eager"
+            and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
+            and not (z.stage == 1 and t.grad_accum_dtype == "fp32") and t.model_impl == "transformers")
+
+
+def _ledger_quick(job: Job, skipped) -> QuickPeak:
+    from .program import build_ledger
+    from .summary import summarize
+
+    s = summarize(job, build_ledger(job, skipped=skipped), timeline=False)
+    st = model_states(job, rank_share(job))
+    rpn = _ranks_per_node(job)
+    return QuickPeak(s.peak_allocated_bytes, s.peak_reserved_bytes, s.peak_reserved_bytes + non_torch_bytes(job),
+                     st.host_bytes * rpn, st.nvme_bytes * rpn, s.peak_phase)
+
+
+def quick_peak(job: Job, rank0: bool = False, stepped: bool = True, skipped=None) -> QuickPeak:
     """Peak allocated, reserved, device total, host and NVMe per node, and the peak phase.
 
     ``rank0``: rank 0's figures instead of the most loaded rank's (what an emulated verify measures);
-    ``stepped=False``: before the first successful optimizer step (see build_phases)."""
+    ``stepped=False``: before the first successful optimizer step (see build_phases); ``skipped``: the indices
+    of the measured steps the fp16 loss scaler skipped (the ledger models them)."""
+    if ledger_supported(job):
+        return _ledger_quick(job, (() if stepped else range(3)) if skipped is None else skipped)
     return _summary(job, build_phases(job, rank0, stepped))
 
 
@@ -48,6 +77,10 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     """What in this job's figure rests on no measurement in benchmarks/accuracy/ (said in the output)."""
     t, z, lay = job.training, job.training.zero, job.layout
     notes = []
+    if t.model_impl == "megatron":  # Megatron's GPT: its own notes (memplan.megatron.notes)
+        from ..megatron import measurement_notes as megatron_notes
+
+        notes += megatron_notes(job)
     if "nvme" in (z.offload_optimizer, z.offload_param):
         notes.append("NVMe offload is modelled from DeepSpeed's code but not measured (no NVMe rows)")
     if t.checkpointing == "selective":
@@ -73,8 +106,25 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _ledger_estimate(job: Job) -> Estimate:
+    from .program import build_ledger
+    from .summary import summarize
+
+    s = summarize(job, build_ledger(job))
+    st = model_states(job, rank_share(job))
+    rpn = _ranks_per_node(job)
+    return Estimate(
+        job=job, peak_phase=s.peak_phase, components=s.components, timeline=s.timeline,
+        peak_reserved_bytes=s.peak_reserved_bytes, non_torch_bytes=non_torch_bytes(job),
+        host_bytes_per_node=st.host_bytes * rpn, nvme_bytes_per_node=st.nvme_bytes * rpn,
+        notes=measurement_notes(job),
+    )
+
+
 def estimate_job(job: Job) -> Estimate:
     """The full typed estimate: the breakdown at the peak and the timeline of phases."""
+    if ledger_supported(job):
+        return _ledger_estimate(job)
     phases = build_phases(job)
     q = _summary(job, phases)
     timeline = tuple(

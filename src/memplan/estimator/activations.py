@@ -7,7 +7,9 @@ kv_heads·head_dim, I the MLP width, nh heads, b bytes of the training dtype (2 
 Under Ulysses each rank holds S tokens and nh/sp heads inside attention, so q/k/v/out bytes equal T·q·b.
 The saved tensors were enumerated with torch.autograd.graph.saved_tensors_hooks (tools/saved_tensors.py);
 attention kernels are CUDA's: flash saves q, k, v, out and a fp32 logsumexp [nh, S] (FlashAttention-2,
-Dao 2023); eager keeps the nh·S² score matrices.
+Dao 2023); eager keeps the nh·S² score matrices. Gemma 2/3, Phi-3, Qwen3-MoE, OLMo 2 and DeepSeek-V3 are
+listed in activations_families.py (their layers differ: pass ``layer``; ``kernel="cpu"`` gives what torch's
+CPU kernels save where they differ from CUDA's, for the CPU tests).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..specs import ModelSpec
+from . import activations_families as families
 
 #: bytes per element of a CUDA LayerNorm's saved mean and rstd (fp32 accumulate type; aten layer_norm_cuda)
 LN_STATS_BYTES = 8
@@ -27,11 +30,15 @@ RMS_RSQRT_BYTES = 4
 
 @dataclass(frozen=True, slots=True)
 class Term:
-    """One saved tensor (or group of equal tensors): bytes per token and the tensor it models."""
+    """One saved tensor (or group of equal tensors): bytes per token and the tensor it models.
+
+    ``fixed_bytes``: a tensor whose size does not grow with the tokens (a per-layer fp32 copy of a weight,
+    Gemma's (1 + w), the experts' offsets); its bytes_per_token is 0."""
 
     name: str
     bytes_per_token: int
     detail: str
+    fixed_bytes: int = 0
 
 
 def _rmsnorm(b: int, width: int, name: str, rows: int = 1) -> list[Term]:
@@ -140,13 +147,18 @@ def _dropout_masks(m: ModelSpec, count: int) -> list[Term]:
     return [Term("dropout_masks", count * DROPOUT_MASK_BYTES * m.hidden_size, f"{count} × bool [T, h]")]
 
 
-def layer_terms(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False) -> tuple[Term, ...]:
+def layer_terms(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False, layer: int = 0,
+                kernel: str = "cuda") -> tuple[Term, ...]:
     """Every tensor one transformer layer saves for backward, per token of this rank.
 
     ``ulysses``: DeepSpeed's UlyssesSPAttentionHF wraps the attention; the output all-to-all gives the output
-    projection its own input [T, q], apart from the kernel's saved output."""
+    projection its own input [T, q], apart from the kernel's saved output. ``layer``: which layer (layers of
+    Gemma, Qwen3-MoE and DeepSeek-V3 differ; the older families' are alike). ``kernel``: "cuda", or "cpu" for
+    what torch's CPU attention kernels save (activations_families.py says where they differ)."""
     h = m.hidden_size
-    if m.family in ("gpt2",):
+    if m.family in families.FAMILIES:
+        terms = families.layer_terms(m, b, attention, seq, layer, kernel)
+    elif m.family in ("gpt2",):
         terms = (_layernorm(b, h, "ln_1") + [Term("attn.proj_input", b * h, "ln_1 out [T, h]")]
                  + _attention_core(m, b, attention, seq, qkv_fused=True) + _layernorm(b, h, "ln_2")
                  + _plain_mlp(m, b) + _dropout_masks(m, 2))
@@ -180,30 +192,46 @@ def layer_terms(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = 
 #: what selective recomputation (Korthikanti et al. 2022, §4.2: recompute the attention core) drops:
 #: the [nh, S, S] score, probability and dropout-mask tensors; flash attention keeps none of them anyway
 SELECTIVE_RECOMPUTED = ("attn.scores_softmax", "attn.probs", "attn.dropout_mask", "attn.probs_dropped",
-                        "attn.math_probs")
+                        "attn.math_probs", "attn.softcap_tanh")
 
 
 #: under tensor parallelism (Megatron-style / DeepSpeed AutoTP) these live sharded by heads or MLP columns;
 #: the norms, the projections' inputs and the residual stream stay whole on every tp rank
 TP_SHARDED_PREFIXES = ("attn.q", "attn.k", "attn.v", "attn.out", "attn.logsumexp", "attn.qkv_fused",
                        "attn.scores", "attn.probs", "attn.dropout", "attn.math", "attn.masked", "attn.ulysses",
-                       "mlp.gate_up", "mlp.act", "mlp.gelu", "mlp.fc_out", "moe.gate_up", "moe.act")
+                       "mlp.gate_up", "mlp.act", "mlp.gelu", "mlp.fc_out", "moe.gate_up", "moe.act",
+                       "attn.softcap", "moe.shared_gate_up")
 
 
 @lru_cache(maxsize=4096)
 def layer_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = False,
-                          selective: bool = False, tp: int = 1, tp_sequence_parallel: bool = False) -> int:
+                          selective: bool = False, tp: int = 1, tp_sequence_parallel: bool = False,
+                          layer: int | None = None, kernel: str = "cuda") -> int:
     """Sum of layer_terms: bytes one layer keeps per token of this rank (``selective``: without the
     attention core's score-sized tensors, recomputed in backward; ``tp``: sharded terms divided by tp;
     ``tp_sequence_parallel``: Megatron's sequence parallelism splits the rest over tp too, Korthikanti et
-    al. 2022 §4.2.2 — modelled, not measured)."""
+    al. 2022 §4.2.2 — modelled, not measured). ``layer`` None: where layers differ (Gemma's sliding and
+    full layers, dense and MoE layers), their mean over all layers rounded up, so that layers × this is the
+    model's total to within num_layers bytes per token; else that layer's."""
+    if layer is None:
+        if m.family in families.FAMILIES and families.layers_differ(m):
+            per = [layer_bytes_per_token(m, b, attention, seq, ulysses, selective, tp, tp_sequence_parallel, i,
+                                         kernel) for i in range(m.num_layers)]
+            return -(-sum(per) // len(per))
+        layer = 0
     total = 0
-    for t in layer_terms(m, b, attention, seq, ulysses):
+    for t in layer_terms(m, b, attention, seq, ulysses, layer, kernel):
         if selective and t.name in SELECTIVE_RECOMPUTED:
             continue
         split = tp > 1 and (tp_sequence_parallel or t.name.startswith(TP_SHARDED_PREFIXES))
         total += t.bytes_per_token // tp if split else t.bytes_per_token
     return total
+
+
+def layer_fixed_bytes(m: ModelSpec, b: int, attention: str, seq: int, layer: int, kernel: str = "cuda") -> int:
+    """Bytes layer ``layer`` keeps whatever the token count (Term.fixed_bytes: DeepSeek-V3's fp32 router
+    weight copy E·h·4, Gemma's (1 + w) fp32 per norm, the experts' int32 offsets); 0 for the older families."""
+    return sum(t.fixed_bytes for t in layer_terms(m, b, attention, seq, False, layer, kernel))
 
 
 def layer_input_bytes_per_token(m: ModelSpec, b: int) -> int:
@@ -219,6 +247,8 @@ def backward_transient_bytes_per_token(m: ModelSpec, b: int, attention: str, seq
     """
     k = max(1, m.num_experts_per_tok) if m.num_experts else 1
     mlp = 3 * b * m.intermediate_size * k + 2 * b * m.hidden_size
+    if m.family in families.FAMILIES:  # dense and expert widths differ (Qwen3-MoE, DeepSeek-V3)
+        mlp = families.backward_mlp_transient(m, b)
     q, kv = m.q_dim, m.kv_dim
     attn = b * (2 * q + 2 * kv) + 4 * q + 2 * b * m.hidden_size
     if sdpa_backend(m, b, attention) in ("eager", "math"):

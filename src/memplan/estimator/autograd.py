@@ -54,11 +54,14 @@ class Node:
     SplitBackward0, a list with one entry per output, None where none arrived) and returns one gradient per
     entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
 
-    __slots__ = ("backward", "inputs", "n_out", "name", "saved", "seq")
+    __slots__ = ("backward", "inputs", "n_out", "name", "region", "saved", "seq", "unpacked", "would_save")
 
     def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int, n_out: int = 1):
         self.name, self.inputs, self.saved, self.backward, self.seq = name, inputs, saved, backward, seq
         self.n_out = n_out
+        self.region = None  # a checkpointed region whose saved tensors are recomputed before this node runs
+        self.would_save = bool(saved)  # saved something, or would have outside a checkpointed forward
+        self.unpacked = False  # its saved tensors came from a checkpoint's recompute: apply's locals own them
 
 
 class Autograd:
@@ -71,6 +74,12 @@ class Autograd:
         self.nodes: list[Node] = []
         self.grad_enabled = True
         self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
+        self.before_matmul: Callable[[], None] | None = None  # called once, before the first matmul
+        self.saving = True  # False inside a non-reentrant checkpointed forward: saved tensors are not kept
+        self.region = None  # the checkpointed region whose nodes are being recorded
+        self.suppress = False  # a recompute stopped early: what follows allocates nothing
+        self.stop_at: int | None = None  # index in self.nodes of the recompute's last node that saves
+        self.recomputing = False  # a checkpoint's recompute is running (its nodes are dropped afterwards)
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
         self._param_buffers: dict[int, Tensor] = {}  # id(parameter) → gradient waiting for its AccumulateGrad
         self._param_uses: dict[int, int] = {}  # id(parameter) → edges into its AccumulateGrad not yet run
@@ -79,6 +88,8 @@ class Autograd:
     def empty(self, name: str, nbytes: int, requires_grad: bool = False, component: str | None = None,
               stream: int = 0) -> Tensor:
         """A new tensor with its own storage (one allocation), referenced once by the caller."""
+        if self.suppress:
+            return Tensor(None, nbytes, name, requires_grad)
         st = Storage(self.ledger.alloc(name, nbytes, component or self.component, stream), nbytes)
         st.refs = 1
         return Tensor(st, nbytes, name, requires_grad)
@@ -114,14 +125,32 @@ class Autograd:
             v.node = self._node("ViewBackward", (t,), (), _passthrough)
         return v
 
+    def marker(self, t: Tensor, fn: Callable[[], None]) -> Tensor:
+        """An alias of ``t`` whose backward runs ``fn`` when the gradient reaches it and passes the gradient on
+        (the autograd functions DeepSpeed wraps module inputs and outputs in for its backward hooks)."""
+        v = Tensor(t.storage, t.nbytes, t.name, t.requires_grad, is_view=True)
+        self.ref(v)
+        if t.requires_grad and self.grad_enabled:
+            def backward(ctx, grad, node):
+                fn()
+                return grad
+            v.node = self._node("HookBackward", (t,), (), backward)
+        return v
+
     # -- graph ------------------------------------------------------------------------------------------
     def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable, n_out: int = 1) -> Node:
+        would_save = bool(saved)
+        if not self.saving:  # torch.utils.checkpoint's saved-tensor hooks keep a handle, not the tensor
+            saved = ()
         for s in saved:
             self.ref(s)
-        for t in inputs:  # edges into each parameter's AccumulateGrad
-            if t is not None and t.requires_grad and t.param is not None and t.node is None:
-                self._param_uses[id(t)] = self._param_uses.get(id(t), 0) + 1
+        if not self.recomputing:  # a recompute's graph is dropped: its edges feed no AccumulateGrad
+            for t in inputs:  # edges into each parameter's AccumulateGrad
+                if t is not None and t.requires_grad and t.param is not None and t.node is None:
+                    self._param_uses[id(t)] = self._param_uses.get(id(t), 0) + 1
         node = Node(name, inputs, saved, backward, len(self.nodes), n_out)
+        node.would_save = would_save
+        node.region = self.region
         self.nodes.append(node)
         return node
 
@@ -142,17 +171,24 @@ class Autograd:
         requires grad. ``saved`` are the tensors autograd keeps for backward (the output may be among them:
         pass the string "out")."""
         needs = self.grad_enabled and any(t.requires_grad for t in inputs)
+        last = needs and self.stop_at is not None and len(self.nodes) == self.stop_at
+        if last and "out" not in saved:  # the recompute stops once this op packs its inputs
+            self.suppress = True
         out = self.empty(name, out_bytes, needs, component)
         if needs:
             saved_t = tuple(out if s == "out" else s for s in saved)
             out.node = self._node(name, inputs, saved_t, backward or _elementwise_grads)
+        if last:
+            self.suppress = True
         return out
 
     def keep(self, out: Tensor, extra: Tensor) -> None:
         """Save ``extra`` for ``out``'s node too (a kernel output allocated after the op's result, such as
         flash attention's logsumexp)."""
         if out.node is not None:
-            out.node.saved = (*out.node.saved, self.ref(extra))
+            out.node.would_save = True
+            if self.saving:
+                out.node.saved = (*out.node.saved, self.ref(extra))
 
     def backward(self, root: Tensor, grad_bytes: int) -> None:
         """loss.backward(): the gradient of ``root`` (ones_like) and every recorded node in engine order."""
@@ -173,8 +209,17 @@ class Autograd:
                     if inp is not None and inp.requires_grad and inp.param is not None and inp.node is None:
                         self._param_grad(inp, None)
                 continue
+            if node.region is not None and not node.region.done and node.would_save:  # the first unpack recomputes
+                node.region.recompute()
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
+            held = bool(node.saved)
+            if node.unpacked:  # apply's unpacked locals die (last unpacked first) before its argument list
+                for t in node.saved[::-1]:
+                    self.release(t)
+                node.saved = ()
+            if outs is not grad:
+                outs = self._validate_outputs(node, outs, grad)
             if node.n_out > 1:  # each output's grad dies with apply's argument list
                 for g in grad:
                     if g is not None and not any(o is g for o in outs):
@@ -185,7 +230,9 @@ class Autograd:
                     self.ref(grad)
             elif not any(o is grad for o in outs):
                 self.release(grad)  # apply's argument list dies with the call
-            self._release_saved(node)
+            self._release_saved(node)  # release_variables: the checkpoint's holders go here
+            if node.unpacked and held:
+                node.region.released()
             for inp, g in zip(node.inputs, outs):
                 if g is None:
                     if inp is not None and inp.requires_grad and inp.param is not None and inp.node is None:
@@ -199,10 +246,29 @@ class Autograd:
                     self._push(inp, g)
         self.nodes[stop + 1:start + 1] = []
 
+    def _validate_outputs(self, node: Node, outs: tuple, grad) -> tuple:
+        """engine.cpp validate_outputs, after apply, in input order: a grad larger than its input is brought to
+        the input's metadata: summed down when the input was broadcast (InputMetadata::reduce_grad →
+        at::sum_to), cast when it has a wider dtype (grad.to(metadata dtype)). Either is one more tensor of
+        the input's size, and the larger grad is freed (unless it is the incoming gradient itself, which
+        apply's argument list holds until the call returns)."""
+        fixed = []
+        for inp, g in zip(node.inputs, outs):
+            if g is not None and inp is not None and g.nbytes > inp.nbytes:
+                r = self.empty(f"{g.name}.reduced", inp.nbytes, component="activations")
+                if g is not grad:
+                    self.release(g)
+                g = r
+            fixed.append(g)
+        return tuple(fixed)
+
     def _release_saved(self, node: Node) -> None:
+        had = bool(node.saved)
         for s in node.saved:
             self.release(s)
         node.saved = ()
+        if had and node.region is not None and node.region.done:
+            node.region.released()
 
     def _push(self, t: Tensor, grad: Tensor) -> None:
         """Add ``grad`` to the input buffer of ``t``'s grad_fn (InputBuffer::add)."""

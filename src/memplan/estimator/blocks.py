@@ -26,7 +26,6 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     by the engine's validate_outputs). ``transposed``: F.linear multiplies by weight.t() (TBackward0 hands
     the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
-    b_bytes = bias.nbytes if bias is not None else 0
 
     def backward(ctx: _Ctx, grad: Tensor, node):
         # the input's grad reaches x through the reshape F.linear folds [.., in] into (a view of it)
@@ -40,11 +39,13 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
             w = gw()
             return (gx(), w)
         i, w = gx(), gw()
-        gb = ctx.new(f"grad.{name}.bias", b_bytes) if bias.requires_grad else None
-        return (i, w, gb)
+        return (i, w, grad if bias.requires_grad else None)  # summed to [out] by the engine
 
     inputs = (x, weight, bias) if bias is not None else (x, weight)
     saved = (x,) if weight.requires_grad else ()
+    if ag.before_matmul is not None:  # the first cuBLAS call creates its handle's workspaces
+        hook, ag.before_matmul = ag.before_matmul, None
+        hook()
     return ag.op(name, out_bytes, inputs, saved, backward)
 
 
@@ -101,31 +102,18 @@ def rsqrt(ag: Autograd, x: Tensor, name: str) -> Tensor:
 
 def mul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str) -> Tensor:
     """a * c (broadcasting): MulBackward0 saves each operand the other's grad needs; each grad is grad·other
-    at the output's size (the generated apply computes the formulas last input first: c's grad, then a's),
-    reduced to the operand's size afterwards (validate_outputs → sum_to_size, in input order: one more
-    tensor of the operand's size, the full-size product freed)."""
+    at the output's size, the generated apply computing the formulas last input first (c's grad, then a's);
+    the engine's validate_outputs then sums a broadcast operand's grad to its size (autograd.py)."""
     def backward(ctx, grad, node):
         full = {}
         for t in (c, a):
             if t.requires_grad:
                 full[id(t)] = ctx.new(f"grad.{name}", out_bytes)
-        return reduce_broadcast(ctx, (a, c), tuple(full.get(id(t)) for t in (a, c)), out_bytes, name)
+        return tuple(full.get(id(t)) for t in (a, c))
 
     saved = tuple(t for t, other in ((c, a), (a, c)) if other.requires_grad)
     return ag.op(name, out_bytes, (a, c), saved, backward)
 
-
-def reduce_broadcast(ctx: _Ctx, inputs: tuple, grads: tuple, out_bytes: int, name: str) -> tuple:
-    """The engine's validate_outputs: each grad of a broadcast input (smaller than the output) is summed to
-    the input's size (sum_to_size: a new tensor), the full-size grad freed; in input order."""
-    reduced = []
-    for t, g in zip(inputs, grads):
-        if g is not None and t.nbytes != out_bytes:
-            r = ctx.new(f"grad.{name}.reduced", t.nbytes)
-            ctx.free(g)
-            g = r
-        reduced.append(g)
-    return tuple(reduced)
 
 
 def add(ag: Autograd, a: Tensor, c: Tensor, name: str) -> Tensor:
@@ -248,8 +236,8 @@ def matmul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str, copy_a
 
     saved = tuple(t for t, other in ((c2, a2), (a2, c2)) if other.requires_grad)  # sorted: mat2, self
     out = ag.op(name, out_bytes, (a2, c2), saved, backward)
+    ag.release(c2)  # _matmul_impl's locals die last declared first: the reshaped mat2, then self
     ag.release(a2)
-    ag.release(c2)
     if grad_copy and out.node is not None:
         v = ag.view(out)
         v.node.backward = lambda ctx, grad, node: (ctx.new(f"grad.{name}.reshaped", out_bytes),)

@@ -104,7 +104,8 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
                     name: str, q_bshd: bool = True, k_bshd: bool = True, v_bshd: bool = True) -> Tensor:
     """transformers eager_attention_forward: repeat_kv(k), repeat_kv(v); q @ k^T (torch.matmul: an operand
     whose memory is [B, S, h, d] copies, a repeated one is contiguous), · scaling, + mask, softmax in fp32, .to(dtype),
-    dropout, @ v, transpose(1, 2).contiguous() (a copy). Returns the [B, S, nh, d] output."""
+    dropout, @ v, transpose(1, 2).contiguous() (a copy). Returns the [B, S, nh, d] output and attn_weights
+    (the dropout's output, or the probabilities), which the caller holds until its own frame dies."""
     ag = net.ag
     n_rep = g.heads // g.kv_heads
     kr = repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
@@ -128,9 +129,9 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
                    grad_copy=_folds_copy(True, g))
     o = B.clone(ag, out, f"{name}.out_contiguous")
     ag.release(out)
-    for t in (kr, vr, dropped):  # the function returns (attn_output, attn_weights): locals die
+    for t in (kr, vr):  # the function returns (attn_output, attn_weights): the other locals die
         ag.release(t)
-    return o
+    return o, dropped
 
 
 def _half_to_float(net, g: Geometry) -> bool:
@@ -161,7 +162,9 @@ def sdpa_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     kernel = sdpa_kernel(net, g2, mask is not None, dropout, gqa)
     run = {"flash": K.flash_attention, "cpu_flash": K.cpu_flash_attention, "efficient": K.efficient_attention,
            "math": K.math_attention}[kernel]
-    fmask = _bool_mask_to_float(ag, mask, g2, f"{name}.mask", kernel != "math") if kernel != "flash" else None
+    # the kernel saves the converted mask, except the math path (composite) and a checkpointed forward
+    saved = kernel != "math" and ag.saving
+    fmask = _bool_mask_to_float(ag, mask, g2, f"{name}.mask", saved) if kernel != "flash" else None
     out, out_bshd = run(net, q, k2, v2, fmask, g2, dropout=dropout, name=f"{name}.{kernel}", bshd=bshd)
     if fmask is not None:
         ag.release(fmask)

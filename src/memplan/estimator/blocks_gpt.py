@@ -40,8 +40,7 @@ def add_broadcast(ag: Autograd, a: Tensor, c: Tensor, name: str) -> Tensor:
         return B.add(ag, a, c, name)
 
     def backward(ctx: _Ctx, grad: Tensor, node):
-        return (grad if a.requires_grad else None,
-                ctx.new(f"grad.{name}.reduced", c.nbytes) if c.requires_grad else None)
+        return (grad if a.requires_grad else None, grad if c.requires_grad else None)
 
     return ag.op(name, a.nbytes, (a, c), (), backward)
 

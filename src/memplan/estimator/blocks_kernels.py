@@ -25,6 +25,12 @@ from .blocks_attention import (
 )
 
 
+def _lse_name(ag, name: str) -> str:
+    """The logsumexp's name: under a checkpointed forward nothing saves it, so it dies inside the sdpa call
+    (a kernel temporary, ``.tmp``)."""
+    return f"{name}.logsumexp" + ("" if ag.saving else ".tmp")
+
+
 def flash_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Geometry, *, dropout: float,
                     name: str, bshd: tuple[bool, bool, bool] = (True, True, True)) -> tuple[Tensor, bool]:
     """torch's sdpa FLASH_ATTENTION on CUDA (aten _scaled_dot_product_flash_attention → FlashAttention-2's
@@ -68,7 +74,7 @@ def flash_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
         return (dq, dk, dv)
 
     out = ag.op(f"{name}.out", out_bytes, (q, k, v), (k, q, v), backward)
-    lse = ag.empty(f"{name}.logsumexp", FP32 * g.batch * g.heads * g.seq)
+    lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
     ag.keep(out, lse)
     ag.keep(out, out)
     ag.release(lse)
@@ -96,7 +102,7 @@ def cpu_flash_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
 
     saved = (mask, k, q, v) if mask is not None else (k, q, v)
     out = ag.op(f"{name}.out", g.bytes(), (q, k, v), saved, backward)
-    lse = ag.empty(f"{name}.logsumexp", FP32 * g.batch * g.heads * g.seq)
+    lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
     ag.keep(out, lse)
     ag.keep(out, out)
     ag.release(lse)
@@ -145,7 +151,7 @@ def efficient_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
 
     saved = (bias, k, q, v) if bias is not None else (k, q, v)
     out = ag.op(f"{name}.out", out_bytes, (q, k, v), saved, backward)
-    lse = ag.empty(f"{name}.logsumexp", FP32 * g.batch * g.heads * s32)
+    lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * s32)
     ag.keep(out, lse)
     ag.keep(out, out)
     ag.release(lse)
@@ -183,7 +189,7 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     one from ones [S, S] bool → tril → convert_boolean_attn_mask (fp32 0 / -inf); with enable_gqa k and v
     repeat_interleave'd to the query heads (copies); q @ (k^T·√scale) [B·nh, S, S] fp32 (torch.matmul copies
     an operand whose memory is [B, S, h, d]), the mask added in place (a 16-bit mask cast to fp32 for it, a
-    temporary), _safe_softmax, dropout, @ v, .to(dtype)
+    temporary), _safe_softmax, dropout (attn rebound), @ v, .to(dtype)
     of the probabilities and then of the output (make_tuple's arguments, right to left); the C++ locals die
     last declared first, the unused probabilities as sdpa returns. Returns a contiguous [B, nh, S, d] output."""
     ag = net.ag
@@ -211,12 +217,13 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     probs = B.safe_softmax(ag, scores, f"{name}.softmax", g.batch * g.heads * g.seq)
     ag.release(scores)
     dropped = B.dropout(ag, probs, dropout, FP32, f"{name}.dropout", net.device)
+    ag.release(probs)  # attn rebound to the dropout's output
     probs_out = B.to_dtype(ag, dropped, g.scores(), f"{name}.probs_out")
     # the output goes through transpose(1, 2).contiguous(): its reshape's backward sees a transposed grad
     o32 = B.matmul(ag, dropped, vr, g.bytes(b=FP32), f"{name}.out_fp32",
                    copy_c=_folds_copy(n_rep == 1 and bshd[2], g), grad_copy=_folds_copy(True, g))
     out = B.to_dtype(ag, o32, g.bytes(), f"{name}.out")
     ag.release(o32)
-    for t in (probs, dropped, vr, kr, qs, fmask, v32, k32, q32, probs_out):
+    for t in (dropped, vr, kr, qs, fmask, v32, k32, q32, probs_out):
         ag.release(t)
     return out, False

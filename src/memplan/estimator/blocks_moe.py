@@ -13,7 +13,6 @@ original indices, int64) where the CPU needs none; sort and histc have device-sp
 
 from __future__ import annotations
 
-from . import blocks as B
 from .autograd import Autograd, Tensor, _Ctx
 from .blocks import FP32
 
@@ -26,8 +25,7 @@ def topk(ag: Autograd, x: Tensor, rows: int, k: int, name: str) -> tuple[Tensor,
     values = ag.op(f"{name}.values", FP32 * rows * k, (x,), (),
                    lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),))
     indices = ag.empty(f"{name}.indices", INT64 * rows * k)
-    if values.node is not None:
-        values.node.saved = (ag.ref(indices),)
+    ag.keep(values, indices)
     return values, indices
 
 
@@ -51,7 +49,7 @@ def div_inplace(ag: Autograd, x: Tensor, d: Tensor, name: str) -> Tensor:
         for t in (t3, t2, t1):
             ctx.free(t)
         gx = ctx.new(f"grad.{name}.self", x.nbytes)
-        return B.reduce_broadcast(ctx, (x, d), (gx, gd), x.nbytes, name)
+        return (gx, gd)  # the engine sums gd to d's size
 
     out = inplace(ag, x, name, (x, d), (d, original), backward)
     ag.release(original)
@@ -129,13 +127,7 @@ def weight_rows(ag: Autograd, net, x: Tensor, w: Tensor, out_bytes: int, b: int,
         if promoted is not None:
             ctx.free(promoted)
         gx = ctx.new(f"grad.{name}.rows_fp32", out_bytes)
-        if mixed:
-            cast = ctx.new(f"grad.{name}.rows", x.nbytes)
-            ctx.free(gx)
-            gx = cast
-        reduced = ctx.new(f"grad.{name}.weights_reduced", w.nbytes)
-        ctx.free(gw)
-        return (gx, reduced)
+        return (gx, gw)  # the engine casts gx to x's dtype and sums gw to w's size (both: a new tensor)
 
     promoted = ag.empty(f"{name}.promoted", x32) if mixed and net.device == "cpu" else None
     out = ag.op(name, out_bytes, (x, w), (w, x), backward)

@@ -57,18 +57,23 @@ TINY = {
 
 
 def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
-               device: str = "cpu", sdpa_backend: str | None = None) -> tuple[Ledger, dict[str, Tensor]]:
+               device: str = "cpu", sdpa_backend: str | None = None, checkpointing: bool = False
+               ) -> tuple[Ledger, dict[str, Tensor]]:
     """The ledger of one loss-loop micro-step of ``config`` (forward, loss, backward) as the autograd model
     issues it, with the attention kernels ``device`` runs (``sdpa_backend``: one forced, as
-    torch.nn.attention.sdpa_kernel does), and each parameter's gradient (what .grad keeps) by name."""
+    torch.nn.attention.sdpa_kernel does), and each parameter's gradient (what .grad keeps) by name.
+    ``checkpointing``: every decoder layer checkpointed the non-reentrant way (transformers' default)."""
+    from .checkpoint import nonreentrant
+
     spec = model_from_config(dict(config), "tiny", "tiny test config")
     b = DTYPE_BYTES[dtype]
     ledger = Ledger()
     grads: dict[str, Tensor] = {}
     ag = Autograd(ledger, on_param_grad=lambda param, grad: grads.__setitem__(param.name, grad))
     params = Params(ag, spec, b, lambda name: True)
-    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params, attention=attention, device=device, dtype=dtype,
-                      sdpa_backend=sdpa_backend))
+    layer_fn = nonreentrant(ag) if checkpointing else None
+    out = forward(Net(ag, spec, Shape(batch, seq, seq, b), params, layer_fn=layer_fn, attention=attention,
+                      device=device, dtype=dtype, sdpa_backend=sdpa_backend))
     ag.release(out.logits)
     loss = out.loss
     ag.backward(loss, 4)
@@ -78,12 +83,12 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
 
 def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
                  device: str = "cpu", sdpa_backend: str | None = None, kernel_temporaries: bool = False,
-                 blocks: bool = False) -> list[tuple[int, str, int]]:
+                 blocks: bool = False, checkpointing: bool = False) -> list[tuple[int, str, int]]:
     """(±bytes, name, partner) of ``micro_step``'s ledger in the form the trace comparisons use:
     ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an allocation).
     Kernel temporaries (.tmp) and scalars are left out unless ``kernel_temporaries`` (the CUDA comparison,
     memplan.verify.cudatrace); ``blocks``: sizes rounded to the caching allocator's 512-byte blocks."""
-    ledger, _ = micro_step(config, batch, seq, dtype, attention, device, sdpa_backend)
+    ledger, _ = micro_step(config, batch, seq, dtype, attention, device, sdpa_backend, checkpointing)
     events: list[tuple[int, str, int]] = []
     at: dict[int, int] = {}
     for ev in ledger.events:

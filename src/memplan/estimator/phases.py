@@ -120,6 +120,10 @@ class Activations:
 
 def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activations:
     """What one rank keeps for backward, from activations.py and head.py, for this stage."""
+    if job.training.model_impl == "megatron":  # Megatron's GPT: memplan.megatron's terms
+        from ..megatron.hook import estimator_activations
+
+        return estimator_activations(job, share.layers, first, last)
     t, lay, m = job.training, job.layout, job.model
     b = dtype_bytes(t.dtype)
     tokens = job.tokens_per_rank
@@ -248,19 +252,25 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
         note = f"{share.layers} layers × {a.in_flight} micro-batch(es) in flight"
         return [("forward, end of stage", fwd + [("activations", a.total, note)]), *layers, step]
     lm_head_grad = b * share.head if z.stage >= 1 and not m.tie_word_embeddings else 0
+    if t.model_impl == "megatron":  # Megatron's vocabulary-parallel loss (memplan.megatron.outside)
+        from ..megatron.hook import loss_transients
+
+        loss_fwd, loss_bwd, head_bwd = loss_transients(job)
+    else:
+        loss_fwd = head.forward_loss_transient_per_token(m, b, lay.tp) * tokens
+        loss_bwd = head.backward_loss_transient_per_token(m, b, lay.tp) * tokens
+        head_bwd = head.lm_head_backward_transient_per_token(m, b, lay.tp) * tokens
     return [
         ("forward, loss", fwd + [
             ("activations", a.total, f"{share.layers} layers × {a.in_flight} micro-batch(es) + outside layers"),
-            ("logits_loss", head.forward_loss_transient_per_token(m, b, lay.tp) * tokens,
-             "logits and their fp32 upcast")]),
+            ("logits_loss", loss_fwd, "logits and their fp32 upcast")]),
         ("backward, loss", fwd + [
             ("activations", a.total, "all layers + outside layers"),
-            ("logits_loss", head.backward_loss_transient_per_token(m, b, lay.tp) * tokens,
-             "nll and log_softmax grads")]),
+            ("logits_loss", loss_bwd, "nll and log_softmax grads")]),
         ("backward, lm_head", fwd + tied + grads + [
             ("gradients", g.top, "gradients so far"),
             ("activations", a.total - a.lsm, "all layers + outside layers but the loss"),
-            ("logits_loss", head.lm_head_backward_transient_per_token(m, b, lay.tp) * tokens + lm_head_grad,
+            ("logits_loss", head_bwd + lm_head_grad,
              "grad of the logits and of lm_head's input; lm_head's weight grad")]),
         *layers, step,
     ]

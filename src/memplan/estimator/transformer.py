@@ -65,10 +65,11 @@ class ModuleHooks:
     functions on its outputs and inputs, its backward pre/post hooks). The default runs nothing; ZeRO-3's
     parameter coordinator (estimator/zero3.py) gathers and releases parameters here."""
 
-    def pre_forward(self, ag: Autograd, module: str, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    def pre_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+                    ) -> tuple[Tensor, ...]:
         return inputs
 
-    def post_forward(self, ag: Autograd, module: str, output: Tensor) -> Tensor:
+    def post_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], output: Tensor) -> Tensor:
         return output
 
 
@@ -86,18 +87,26 @@ class Net:
         self.dtype = dtype  # TrainingSpec.dtype (bf16 and fp16 differ in CUDA's softmax)
         self.sdpa_backend = sdpa_backend  # a kernel forced as torch.nn.attention.sdpa_kernel does (None: dispatch)
 
-    def module(self, name: str, fn, *inputs: Tensor) -> Tensor:
-        """Call module ``name`` (``fn(*inputs)``) between its hooks."""
-        inputs = self.hooks.pre_forward(self.ag, name, inputs)
-        out = fn(*inputs)
-        return self.hooks.post_forward(self.ag, name, out)
+    def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor, ...] = ()) -> Tensor:
+        """Call module ``name`` (``fn(*inputs)``, parameters ``params``) between its hooks."""
+        ag = self.ag
+        wrapped = self.hooks.pre_forward(ag, name, params, inputs)
+        out = fn(*wrapped)
+        for w, x in zip(wrapped, inputs):
+            if w is not x:
+                ag.release(w)
+        hooked = self.hooks.post_forward(ag, name, params, out)
+        if hooked is not out:
+            ag.release(out)
+        return hooked
 
     def linear(self, x: Tensor, name: str, out_features: int, bias: bool = False) -> Tensor:
         """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]."""
         s, p = self.s, self.p
+        w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
-        return self.module(name, lambda z: B.linear(self.ag, z, p[f"{name}.weight"], s.b * s.tokens * out_features,
-                                                    name, b_t), x)
+        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t), x,
+                           params=(w, b_t) if b_t is not None else (w,))
 
     def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
         """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""
@@ -113,11 +122,23 @@ class Net:
 
     def rmsnorm(self, x: Tensor, name: str) -> Tensor:
         """The family's RMSNorm module ``name`` on x."""
-        return self.module(name, lambda z: B.rmsnorm(self.ag, z, self.p[f"{name}.weight"], self.s.b, name), x)
+        w = self.p[f"{name}.weight"]
+        return self.module(name, lambda z: B.rmsnorm(self.ag, z, w, self.s.b, name), x, params=(w,))
 
-    def layer(self, i: int, x: Tensor, run) -> Tensor:
-        """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing/ZeRO-3 layer function."""
-        return self.layer_fn(i, x, run) if self.layer_fn else run(x)
+    def layer(self, i: int, x: Tensor, run, extras: tuple[Tensor, ...] = ()) -> Tensor:
+        """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing layer function. ``extras``: the
+        layer's other tensor arguments (a checkpoint frame keeps them too: rotary tables, masks)."""
+        return self.layer_fn(i, x, run, extras) if self.layer_fn else run(x)
+
+
+def frame_extras(*kwargs) -> tuple[Tensor, ...]:
+    """A decoder layer's tensor keyword arguments, in the order a checkpoint frame drops them (Net.layer's
+    ``extras``): its partial's kwargs dict releases its values in insertion order (the order the model passes
+    them; pass them so), a tuple (position_embeddings) its items last first; None entries are skipped."""
+    out = []
+    for k in kwargs:
+        out.extend(reversed(k) if isinstance(k, tuple) else (k,))
+    return tuple(t for t in out if t is not None)
 
 
 @dataclass

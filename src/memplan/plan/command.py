@@ -15,31 +15,23 @@ import argparse
 import json
 import sys
 
-from ..errors import InputError
-from ..units import parse_size_bytes
+from ..bounds import count_type, rank_count
+from ..bounds import size_type as _size
+from ..errors import InputError, shorten
 
 DEFAULT_TOP = 10
 #: columns of the table when stdout is a file or a pipe (rich would otherwise assume 80 and truncate)
 WIDE_OUTPUT_COLUMNS = 170
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _count(text: str) -> int:
-    from ..options import positive_int
-
-    return positive_int(text)
+#: argparse type of plan's counts (memplan.bounds: the same rule as every command's)
+_count = count_type()
 
 
 def _stages(text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     if not parts or any(p not in ("0", "1", "2", "3") for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a comma list of 0, 1, 2, 3 (e.g. 2,3)")
+        raise argparse.ArgumentTypeError(f"{shorten(text)}: allowed: a comma list of 0, 1, 2, 3 (e.g. 2,3)")
     return tuple(sorted({int(p) for p in parts}))
 
 
@@ -47,7 +39,7 @@ def _choices(allowed: tuple[str, ...]):
     def parse(text: str) -> tuple[str, ...]:
         parts = [p.strip() for p in str(text).split(",") if p.strip()]
         if not parts or any(p not in allowed for p in parts):
-            raise argparse.ArgumentTypeError(f"{text!r}: allowed: a comma list of {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"{shorten(text)}: allowed: a comma list of {', '.join(allowed)}")
         return tuple(dict.fromkeys(parts))
     return parse
 
@@ -61,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--global-batch", type=_count, metavar="N", help="sequences per optimizer step")
     batch.add_argument("--global-tokens", type=_count, metavar="N",
                        help="tokens per optimizer step (default 4Mi tokens, rounded to whole sequences)")
-    g.add_argument("--gpus", type=_count, default=8, metavar="N", help="world size (8)")
-    g.add_argument("--gpus-per-node", type=_count, default=8, metavar="N", help="(8)")
+    g.add_argument("--gpus", type=rank_count, default=8, metavar="N", help="world size (8)")
+    g.add_argument("--gpus-per-node", type=rank_count, default=8, metavar="N", help="(8)")
     g.add_argument("--gpu", default="a100-80g", metavar="NAME", help="GPU preset (a100-80g) or a size")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     b = parser.add_argument_group("budgets")
@@ -73,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("search")
     s.add_argument("--no-offload", action="store_true", help="no optimizer or parameter offload")
     s.add_argument("--no-nvme", action="store_true", help="offload to cpu only")
-    s.add_argument("--max-tp", type=_count, metavar="N")
-    s.add_argument("--max-pp", type=_count, metavar="N")
-    s.add_argument("--max-sp", type=_count, metavar="N")
+    s.add_argument("--max-tp", type=rank_count, metavar="N")
+    s.add_argument("--max-pp", type=rank_count, metavar="N")
+    s.add_argument("--max-sp", type=rank_count, metavar="N")
     s.add_argument("--zero-stages", type=_stages, default=(0, 1, 2, 3), metavar="LIST", help="(0,1,2,3)")
     s.add_argument("--checkpointing", type=_choices(("none", "selective", "full")), default=("full", "none"),
                    metavar="LIST", help="checkpointing choices (full,none; selective as modelled)")
@@ -97,11 +89,11 @@ def space_from_args(args: argparse.Namespace):
     from pydantic import ValidationError
 
     from ..errors import from_pydantic
-    from ..presets import load_model
+    from ..options import model_from_arg
     from .hardware import resolve_hardware
     from .space import PlanSpace, default_global_batch, default_target_bytes
 
-    model = load_model(args.model)
+    model = model_from_arg(args.model, "--model")
     hw, note = resolve_hardware(args.gpu)
     notes = [note] if note else []
     if args.global_tokens is not None:
@@ -138,6 +130,15 @@ def run(args: argparse.Namespace) -> int:
     from .render import candidate_dict, plan_dict, render
     from .search import search
 
+    if args.emit is not None:  # a bad output folder is refused before the search
+        from ..outputs import check_folder
+
+        check_folder(args.emit_dir or f"plan-row-{args.emit}", "--emit-dir")
+    values = None
+    if args.ds_config or args.launch_file:  # the user's files are read (and refused) before the search
+        from .user import read_user_files
+
+        values = read_user_files(args)
     space, notes = space_from_args(args)
     result = search(space)
     if result.searched == 0:
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ds_config or args.launch_file:
         from .user import user_verdict
 
-        user, user_lines = user_verdict(args, result)
+        user, user_lines = user_verdict(args, result, values)
     if args.emit:
         from .emit import emit
 

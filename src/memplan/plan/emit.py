@@ -2,7 +2,8 @@
 
 Writes three files into a directory: ds_config.json (memplan.dsconfig_emit.to_ds_config of the row's Job),
 launch.sh (the deepspeed launcher with Megatron-DeepSpeed pretrain_gpt.py-style flags for the layout), and
-candidate.json (the row as `plan --json` prints it). The Job is validated in full before anything is written.
+candidate.json (the row as `plan --json` prints it). The Job is validated in full before anything is written,
+and the three files appear together or not at all (memplan.outputs.write_files).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shlex
 from pathlib import Path
 
 from ..errors import InputError
+from ..outputs import check_folder, write_files
 from ..specs import Job, Layout, TrainingSpec, ZeroSpec
 from .search import Candidate
 from .space import PlanSpace
@@ -79,12 +81,7 @@ def emit(space: PlanSpace, rows: tuple[Candidate, ...], row: int, directory: str
         raise InputError("--emit", f"row {row} does not exist; allowed: 1..{len(rows)}")
     c = rows[row - 1]
     config = to_ds_config(candidate_job(space, c))
-    out = Path(directory)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        (out / "launch.sh").write_text(launch_line(space, c), encoding="utf-8")
-        (out / "candidate.json").write_text(json.dumps(candidate_json, indent=2) + "\n", encoding="utf-8")
-    except OSError as err:
-        raise InputError("--emit-dir", f"{out}: cannot write ({err.strerror or err})") from None
+    out = check_folder(directory, "--emit-dir")
+    write_files({out / "ds_config.json": json.dumps(config, indent=2) + "\n", out / "launch.sh": launch_line(space, c),
+                 out / "candidate.json": json.dumps(candidate_json, indent=2) + "\n"}, "--emit-dir")
     return out

@@ -16,18 +16,16 @@ Example: memplan report --model llama-3-8b --seq 8192 --gpus 8 --zero 3 --gpu a1
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shlex
 import sys
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, shorten
 
 #: the job flags' argparse destinations (memplan.options.add_job_arguments)
 JOB_DESTS = ("model", "seq", "micro_batch", "grad_accum", "gpus", "gpus_per_node", "tp", "pp", "sp", "zero",
              "offload_optimizer", "offload_param", "dtype", "checkpointing", "attention", "optimizer", "ds_config")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,28 +44,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_verify(path: str, name: str | None = None) -> dict:
-    """One verify report from a JSON file or a JSON-lines file (the row called ``name`` when there are several)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise InputError("--verify", f"cannot read {path[:80]!r} ({err.strerror}); allowed: a readable JSON file") \
-            from None
-    try:
-        rows = [json.loads(text)]
-    except ValueError:
-        try:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except ValueError as err:
-            raise InputError("--verify", f"invalid JSON ({err}); allowed: a verify report, JSON or JSON lines") \
-                from None
+    """One verify report from a JSON file or a JSON-lines file (the row called ``name`` when there are several),
+    read through memplan.inputs (a regular UTF-8 file; duplicate keys refused: memplan's own format)."""
+    from ..inputs import parse_json, read_text, shown_path
+
+    shown = shown_path(path)
+    text = read_text(path, "--verify", what="verify report")
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if len(lines) > 1 and _parses(lines[0][1]):  # JSON lines: each line a value of its own
+        rows = [parse_json(line, "--verify", f"{shown} line {n}", "memplan") for n, line in lines]
+    else:  # one JSON document (memplan verify writes it indented, over many lines)
+        rows = [parse_json(text, "--verify", shown, "memplan")]
     if name is not None:
         rows = [r for r in rows if isinstance(r, dict) and r.get("name") == name]
         if not rows:
-            raise InputError("--verify-name", f"no row named {name[:80]!r} in {path[:80]!r}")
+            raise InputError("--verify-name", f"no row named {shorten(name)} in {shown}")
     if len(rows) != 1 or not isinstance(rows[0], dict):
-        raise InputError("--verify", f"{len(rows)} rows in {path[:80]!r}; allowed: one report, or pick one with "
+        raise InputError("--verify", f"{len(rows)} rows in {shown}; allowed: one report, or pick one with "
                                      "--verify-name")
     return rows[0]
+
+
+def _parses(line: str) -> bool:
+    from ..inputs import parse_json
+
+    try:
+        parse_json(line, "--verify", "", "memplan")
+    except InputError:
+        return False
+    return True
 
 
 def default_stem(job) -> str:
@@ -95,24 +100,27 @@ def _job_estimate(args: argparse.Namespace, row: dict | None):
                     gpu_bytes=gpu and gpu.memory_bytes)
 
 
-def write_estimate_report(est, out: str) -> None:
-    """`memplan estimate --report DIR`: the job page for an estimate already made; the paths go to stderr."""
+def write_estimate_report(est, out: str, flag: str = "--report") -> None:
+    """`memplan estimate --report DIR`: the job page for an estimate already made; the paths go to stderr.
+    Errors name ``flag`` (the folder estimate was given with --report)."""
     from .page import job_page
     from .write import page_files, write_atomically
 
     stem = default_stem(est.job)
     title, blocks = job_page(est, stem, "memplan estimate " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
-    written = write_atomically(out, page_files(stem, title, blocks))
+    written = write_atomically(out, page_files(stem, title, blocks), flag)
     sys.stderr.write(f"wrote {', '.join(str(p) for p in written if p.suffix in ('.md', '.html'))}\n")
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the report (or --seed's) and print the paths written."""
+    from ..outputs import check_folder, check_name
     from .page import job_page
     from .write import page_files, write_atomically
 
-    if args.name is not None and not _NAME.match(args.name):
-        raise InputError("--name", f"{args.name[:40]!r}; allowed: letters, digits, '.', '_', '-' (up to 100)")
+    if args.name is not None:
+        check_name(args.name, "--name")
+    check_folder(args.out, "--out")  # refused before any work
     command = "memplan report " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["report"] \
         else "memplan report ..."
     if args.seed:

@@ -45,8 +45,11 @@ def _variant_rows(named: list[tuple[str, Estimate]]) -> Table:
 def section_a(check: CheckResult, sp8: Estimate, sp8_full: Estimate) -> list[Block]:
     errors = [f for f in check.findings if f.severity == "error"]
     warnings = [f for f in check.findings if f.severity == "warning"]
-    named = [((f"memplan check's verdict ({check.estimate_of}, as launched: eager attention, grad_accum "
-              f"{check.estimate.job.training.grad_accum})"), estimate_on_a100(check.estimate.job))] if check.estimate else []
+    impl = ("Megatron-DeepSpeed's GPT under GPTModelPipe, CoreAttention" if check.estimate and
+            check.estimate.job.training.model_impl == "megatron" else "eager attention")
+    named = [((f"memplan check's verdict ({check.estimate_of}, as launched: {impl}, grad_accum "
+              f"{check.estimate.job.training.grad_accum}; section (e))"), estimate_on_a100(check.estimate.job))
+             ] if check.estimate else []
     named += [(("nearest valid variant: ZeRO-3, sp 8, fp16, offload optimizer cpu, micro-batch 1, seq 32768, "
                "8 GPUs, sdpa"), sp8), ("the same with full activation checkpointing", sp8_full)]
     return [
@@ -204,4 +207,6 @@ def seed_page(out: str) -> tuple[str, str, list[Block]]:
                            Para(f"memplan {__version__}; sizes in GiB (2^30 bytes) and GB (10^9 bytes, the article's "
                                 f"unit); 24 GB is read as 24 GiB = {24 * GiB:,} bytes."), summary]
     blocks += section_a(check, sp8, sp8_full) + section_b(sp8, sp8_full, evidence, host_ram)
-    return STEM, title, blocks + section_c(plans) + section_d(evidence)
+    from .megatron import section_megatron
+
+    return STEM, title, blocks + section_c(plans) + section_d(evidence) + section_megatron(sp8.job)

@@ -6,7 +6,6 @@ Paths are relative to the repository root (the seed's files and the committed ve
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +46,12 @@ def run_check() -> CheckResult:
     from ..presets import load_model
 
     args = _parse(add_arguments, CHECK_ARGV)
+    from ..inputs import read_json_object
+
     cfg = load_ds_config(args.ds_config)
-    launch = parse_launch(read_launch_file(args.launch_file))
+    launch = parse_launch(read_launch_file(args.launch_file), "--launch-file")
     model = load_model(args.model)
-    raw = json.loads(Path(args.model).read_text(encoding="utf-8"))
+    raw = read_json_object(args.model, "--model", "json", "config.json")
     findings, ctx = collect(cfg, launch, model, raw, args.gpus, args.seq)
     est, label, more = estimate_for(ctx, model, args)
     return CheckResult(tuple(sort_findings(findings + more)), est, label)
@@ -119,13 +120,13 @@ def load_evidence(path: Path = VERIFY_ROW) -> Evidence:
     """The committed verify report, compared at each measured depth as memplan.accuracy does (rank 0)."""
     from ..accuracy import compare_rows
     from ..estimator import quick_peak
+    from ..inputs import read_json_object
     from .series import job_of_row
 
     try:
-        row = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise InputError("--seed", f"cannot read the verify report {str(path)!r} ({err}); allowed: run from the "
-                                   "repository root") from None
+        row = read_json_object(path, "--seed", "memplan", "verify report")
+    except InputError as err:
+        raise InputError("--seed", f"{err.message}; allowed: run from the repository root") from None
     comparisons = compare_rows([row])
     layers = [m["num_layers"] for m in row["layers"]["measured"]]
     depths = tuple(Depth(n, c.measured_bytes, c.predicted_bytes) for n, c in zip(layers, comparisons))

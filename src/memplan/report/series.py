@@ -16,9 +16,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..api import estimate
-from ..errors import InputError
+from ..errors import InputError, shorten
 from ..result import Estimate
 from ..specs import Job
+from ..units import MAX_SIZE_BYTES
 
 #: Ulysses degrees a report compares (DeepSpeed-Ulysses, Jacobs et al. 2023, splits the sequence over sp ranks)
 SP_DEGREES = (1, 2, 4, 8)
@@ -128,8 +129,9 @@ def phase_kind(name: str) -> str:
 
 
 def _int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError("--verify", f"{where} is not a byte count; allowed: a verify report (memplan verify JSON)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE_BYTES:
+        raise InputError("--verify", f"{where} is not a byte count; allowed: a verify report (memplan verify JSON), "
+                                     f"bytes up to {MAX_SIZE_BYTES}")
     return value
 
 
@@ -139,7 +141,7 @@ def measured_of(row: Any) -> Measured:
         raise InputError("--verify", "no 'phases' list; allowed: a memplan verify report (a row of "
                                      "benchmarks/accuracy/*.jsonl)")
     if row.get("status", "ok") != "ok":
-        raise InputError("--verify", f"the run's status is {str(row.get('status'))[:40]!r}; allowed: status 'ok'")
+        raise InputError("--verify", f"the run's status is {shorten(row.get('status'), 40)}; allowed: status 'ok'")
     peaks: dict[str, int] = {}
     for i, ph in enumerate(row["phases"]):
         if not isinstance(ph, dict) or not isinstance(ph.get("name"), str):
@@ -164,10 +166,15 @@ def measured_of(row: Any) -> Measured:
 def job_of_row(row: dict) -> Job:
     """The verify report's Job as memplan.accuracy reads it; a malformed job names the --verify field."""
     from ..accuracy import job_of_row as accuracy_job_of_row
+    from ..bounds import check_job
 
+    if not isinstance(row.get("job"), dict):
+        raise InputError("--verify job", "missing; allowed: a verify report holding its Job")
     try:
-        return accuracy_job_of_row(row)
+        job = accuracy_job_of_row(row)
     except ValidationError as err:
         from ..errors import from_pydantic
 
         raise from_pydantic(err, prefix="--verify job.") from None
+    check_job(job, "--verify job.")
+    return job

@@ -1,15 +1,13 @@
-"""Writing a report's files atomically: staged in a hidden folder inside the output folder, then each moved
-into place with os.replace (atomic on one filesystem), figures first and pages last, so a reader never sees
-a half-written file or a page whose figures are missing."""
+"""Writing a report's files: all of them or none (memplan.outputs.write_files: staged in a hidden folder
+beside them, then moved into place, figures first and pages last), so a reader never sees a half-written
+file, a page whose figures are missing, or the Markdown without the HTML."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, shorten
+from ..outputs import check_folder, write_files
 from .doc import Block, Figure, to_html, to_markdown
 
 
@@ -25,35 +23,12 @@ def page_files(stem: str, title: str, blocks: list[Block]) -> dict[str, bytes]:
     return files
 
 
-def _out_dir(out: str) -> Path:
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise InputError("--out", f"{out[:80]!r} is a file; allowed: a folder (created if missing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise InputError("--out", f"cannot create {out[:80]!r} ({err.strerror}); allowed: a writable folder") from None
-    return path
-
-
-def write_atomically(out: str, files: dict[str, bytes]) -> list[Path]:
-    """Write ``files`` (relative path → bytes, in order) under ``out``; returns the final paths."""
-    root = _out_dir(out)
+def write_atomically(out: str, files: dict[str, bytes], flag: str = "--out") -> list[Path]:
+    """Write ``files`` (relative path → bytes, in order) under the folder ``out``, all or none
+    (memplan.outputs.write_files); returns the final paths. Errors name ``flag`` (--out, or estimate's
+    --report)."""
+    root = check_folder(out, flag)
     for rel in files:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise InputError("--name", f"{rel[:80]!r} leaves the output folder; allowed: a plain name")
-    staging = Path(tempfile.mkdtemp(prefix=".memplan-report-", dir=root))
-    written = []
-    try:
-        for rel, data in files.items():
-            tmp = staging / rel
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
-        for rel in files:
-            final = root / rel
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / rel, final)
-            written.append(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return written
+            raise InputError("--name", f"{shorten(rel)} leaves the output folder; allowed: a plain name")
+    return write_files({root / rel: data for rel, data in files.items()}, flag)

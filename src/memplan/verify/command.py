@@ -41,23 +41,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def job_and_options(args: argparse.Namespace):
-    """The Job of ``args`` (InputError on bad input) and the keyword arguments of runner.measure_job."""
+    """The Job of ``args`` (InputError on bad input) and the keyword arguments of runner.measure_job. The
+    report's name is one path component and --out a folder (memplan.outputs), checked before anything runs."""
+    from ..outputs import check_folder, check_name
+
+    if args.name is not None:
+        check_name(args.name, "--name")
+    check_folder(args.out, "--out")
     job = job_from_args(args)
     if args.layers is not None and not 1 <= args.layers <= job.model.num_layers // 2:
         raise InputError("--layers", f"{args.layers} must be between 1 and half the model's depth "
                                      f"({job.model.num_layers} layers)")
+    from ..hf.job import verify_task
+    from ..options import trainer_job_of
+
+    hf = verify_task(trainer_job_of(args, num_training_steps=args.steps),
+                     "--training-args" if getattr(args, "training_args", None) else "TrainingArguments",
+                     job.training.loop)
     return job, {"name": args.name, "steps": args.steps, "layers": args.layers, "launch": args.launch, "device": args.device,
-                     "timeout_s": float(args.timeout), "out_dir": args.out,
-                 "trace": args.trace}
+                     "timeout_s": float(args.timeout), "out_dir": args.out, "hf": hf,
+                     "trace": args.trace}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
-    """Measure the job the flags describe, write the report, print the table. Returns the exit code."""
-    try:
-        job, opts = job_and_options(args)
-    except InputError as exc:
-        print(f"memplan verify: {exc}", file=sys.stderr)
-        return 2
+    """Measure the job the flags describe, write the report, print the table. Returns the exit code; bad input
+    raises InputError (memplan.cli prints it as one line, exit 2)."""
+    job, opts = job_and_options(args)
     from . import report, runner
 
     command = ["memplan", *sys.argv[1:]] if argv is None else ["memplan", "verify", *argv]
@@ -72,11 +81,11 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry (python -m memplan.verify.command ...) until the CLI wires `memplan verify`."""
-    parser = argparse.ArgumentParser(prog="memplan verify", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run(args, argv if argv is not None else sys.argv[1:])
+    """Standalone entry (python -m memplan.verify.command ...): `memplan verify` through memplan.cli, so that
+    errors are printed the one way."""
+    from ..cli import main as cli_main
+
+    return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ from ..ledger import Ledger
 
 #: CPU allocations of this size or less are wrapped scalars and 0-d temporaries CUDA does not allocate
 SCALAR_BYTES = 8
+#: torch.get_rng_state() (the CPU generator's mt19937 state, a uint8 tensor): torch.utils.checkpoint saves it with
+#: preserve_rng_state; on a CUDA job it lives in host memory, not on the GPU
+CPU_RNG_STATE_BYTES = 5056
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ def record(fn, *, warmup: bool = True) -> list[Event]:
     out = []
     for e in mem:
         a = e["args"]
-        if abs(a["Bytes"]) <= SCALAR_BYTES:
+        if abs(a["Bytes"]) <= SCALAR_BYTES or abs(a["Bytes"]) == CPU_RNG_STATE_BYTES:
             continue
         ts = e["ts"]
         inner = [(k, o) for k, o in enumerate(ops) if o[0] <= ts <= o[1]]

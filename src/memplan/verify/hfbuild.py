@@ -6,7 +6,6 @@ transformers inside the functions. Nothing is downloaded and remote code is neve
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +52,15 @@ def _synthesized(spec: ModelSpec) -> dict[str, Any]:
 
 
 def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
-    """The HF config.json keys to build ``spec`` with (underscore keys and remote-code keys dropped)."""
+    """The HF config.json keys to build ``spec`` with (underscore keys and remote-code keys dropped; a gemma3
+    multimodal config gives its text_config as gemma3_text, the model memplan estimates)."""
+    from ..hfconfig import transformers_config
+    from ..inputs import read_json_object
+
     path = _preset_file(spec)
-    raw = json.loads(path.read_text()) if path else _synthesized(spec)
+    raw = read_json_object(path, "--model", "json", "config.json") if path else _synthesized(spec)
+    if raw.get("model_type") == "gemma3":
+        raw = transformers_config(raw)
     return {k: v for k, v in raw.items() if not k.startswith("_") and k not in _UNSAFE_KEYS}
 
 
@@ -77,14 +82,49 @@ def torch_dtype(job: Job):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[job.training.dtype]
 
 
+#: model types whose word embedding is nn.Embedding(vocab, hidden) without padding_idx
+_NO_PADDING_IDX = ("gpt2", "gpt_neox", "bloom")
+
+
+def inits_padding_row(config) -> bool:
+    """Whether transformers' weight init indexes the embedding's padding row: PreTrainedModel._init_weights
+    (modeling_utils.py) runs ``init.zeros_(module.weight[module.padding_idx])`` for an nn.Embedding built
+    with padding_idx=config.pad_token_id (LlamaModel, Gemma2Model, Phi3Model, Olmo2Model, ... all do)."""
+    text = config.get_text_config()
+    return text.pad_token_id is not None and text.model_type not in _NO_PADDING_IDX
+
+
 def build_model(config, job: Job, ds_config: dict, device: str):
-    """Random-init causal LM built directly on ``device`` (under deepspeed.zero.Init for ZeRO-3)."""
+    """Random-init causal LM built directly on ``device`` (partitioned by deepspeed.zero.Init for ZeRO-3).
+
+    ZeRO-3 and a padding row (Gemma 2/3, Phi-3 and OLMo 2 configs set pad_token_id): inside a plain
+    ``deepspeed.zero.Init`` transformers does not know the weights are partitioned, and post_init's
+    _init_weights indexes ``weight[padding_idx]`` of a size-0 partition (IndexError, from_config and
+    from_pretrained alike). Such models are built the way transformers itself builds under ZeRO-3 when a
+    ``HfDeepSpeedConfig`` is alive (what Trainer / accelerate create): PreTrainedModel._from_config enters
+    no_init_weights + deepspeed.zero.Init(deepspeed_config()) and then integrations/deepspeed.py
+    initialize_weights_zero3 gathers each module's partitions (GatheredParameters, modifier_rank=0) to
+    initialise them whole; from_pretrained likewise loads through _load_state_dict_into_zero3_model and
+    initialises missing keys under GatheredParameters. Same parameters, dtype and partitioning; the init
+    phase gathers one module at a time. Other models keep the plain deepspeed.zero.Init build (what the
+    committed measurements ran)."""
     import torch
     import transformers
 
     kwargs = {"dtype": torch_dtype(job), "attn_implementation": ATTN_IMPLEMENTATION[job.training.attention]}
-    if job.training.zero.stage == 3:
+    if job.training.zero.stage == 3 and inits_padding_row(config):
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)  # transformers keeps a weak reference: keep it alive
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        model._memplan_hf_ds_config = hf_ds_config
+    elif job.training.zero.stage == 3:
         import deepspeed
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        # the model class imported outside zero.Init: importing its module (masking_utils → torch._dynamo) under
+        # zero.Init's patched tensor constructors fails ("Signature mismatch ... tensor_pynew", seen on the CPU)
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)

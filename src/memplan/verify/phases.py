@@ -81,6 +81,7 @@ class Recorder:
         self.meter = meter
         self.trace = trace and meter.cuda
         self.labels: list[str] = []
+        self.skipped: list[int] = []  # optimizer steps the fp16 loss scaler skipped
         self.phases: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
         self.current: str | None = None
@@ -135,7 +136,8 @@ class Recorder:
                 from ..allocator.trace import compact_trace, write_trace
 
                 path = os.path.join(out_dir, f"trace-rank{rank}.json.gz")
-                write_trace(path, compact_trace(snapshot), {"phases": self.labels, "alloc_conf": os.environ.get(
+                write_trace(path, compact_trace(snapshot, max_entries=TRACE_MAX_ENTRIES), {
+                    "phases": self.labels, "alloc_conf": os.environ.get(
                     "PYTORCH_CUDA_ALLOC_CONF", "")})
                 out["trace_file"] = path
             except Exception as exc:  # noqa: BLE001 - a trace is a side product; the row says why it is missing

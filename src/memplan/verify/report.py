@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 from ..units import GiB
-from .envinfo import write_json_atomic, write_text_atomic
 
 
 def _gib(n: int | None) -> str:
@@ -78,10 +77,12 @@ def to_markdown(row: dict[str, Any]) -> str:
 
 
 def write_report(row: dict[str, Any], out_dir: str) -> tuple[str, str]:
-    """Write <out_dir>/<name>.json and .md atomically; return both paths."""
-    base = os.path.join(out_dir, row["name"])
-    write_json_atomic(base + ".json", row)
-    write_text_atomic(base + ".md", to_markdown(row))
+    """Write <out_dir>/<name>.json and .md, both or neither (memplan.outputs.write_files); return both paths."""
+    from ..outputs import check_name, write_files
+
+    base = os.path.join(out_dir, check_name(row["name"], "--name"))
+    write_files({base + ".json": json.dumps(row, indent=1, sort_keys=False, default=str) + "\n",
+                 base + ".md": to_markdown(row)}, "--out")
     return base + ".json", base + ".md"
 
 

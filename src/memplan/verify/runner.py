@@ -44,6 +44,8 @@ def default_name(job: Job) -> str:
     parts += [t.dtype, t.attention, t.optimizer]
     if t.checkpointing != "none":
         parts.append(f"ckpt{t.checkpointing}")
+    if t.loop == "hf-trainer":
+        parts.append("hftrainer")
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))
 
 
@@ -158,8 +160,13 @@ def _depths(job: Job, layers: int | None) -> list[int | None]:
 
 def measure_job(job: Job, *, name: str | None = None, command: Sequence[str] = (), out_dir: str = "reports/verify",
                 steps: int = 3, layers: int | None = None, launch: bool = False, device: str = "cuda",
-                timeout_s: float = 600.0, trace: str | None = None) -> dict[str, Any]:
-    """Measure ``job`` as the protocol in memplan.verify says and return the report row (predicted included)."""
+                timeout_s: float = 600.0, hf: dict[str, Any] | None = None, trace: str | None = None
+                ) -> dict[str, Any]:
+    """Measure ``job`` as the protocol in memplan.verify says and return the report row (predicted included).
+
+    ``hf``: the Trainer's inputs for ``--loop hf-trainer`` (memplan.hf.job.verify_task): the worker runs a
+    real transformers.Trainer with them; the row records them and memplan's filled DeepSpeed config.
+    ``trace``: record the allocator's real event history and write it as Chrome trace-event JSON there."""
     t0 = time.perf_counter()
     name = name or default_name(job)
     mode = "real" if launch else "emulated"
@@ -168,13 +175,15 @@ def measure_job(job: Job, *, name: str | None = None, command: Sequence[str] = (
                            "ds_config": None, "layers": None}
     runs: list[dict[str, Any]] = []
     try:
-        row["ds_config"] = to_ds_config(job)
+        row["ds_config"] = hf["ds_config"] if hf else to_ds_config(job)
+        if hf:
+            row["training_args"], row["ds_config_given"] = hf["training_args"], hf["deepspeed"]
         depths = _depths(job, layers)
         worker.check_supported(job, mode)
         if launch and device == "cuda" and local_gpu_count() < job.layout.world:
             raise _Refused(f"--launch needs {job.layout.world} GPUs on this node (found {local_gpu_count()})")
         task = {"name": name, "job": row["job"], "hf_config": hfbuild.hf_config_dict(job.model), "steps": steps,
-                "device": device, "mode": mode, "trace": trace is not None}
+                "device": device, "mode": mode, "hf": hf, "trace": trace is not None}
         for depth in depths:
             work = Path(out_dir) / "work" / name / (f"layers{depth}" if depth else "full")
             rows = run_worker({**task, "num_layers": depth, "meta_pass": depth in (None, layers)}, work,
@@ -242,9 +251,13 @@ def _assemble(job: Job, runs: list[dict[str, Any]], layers: int | None) -> dict[
         chosen = failed or loaded[-1]
     keys = ("status", "error", "phases", "peak_allocated_bytes", "peak_reserved_bytes", "peak_phase",
             "init_peak_allocated_bytes", "init_peak_reserved_bytes", "timeline", "oom_phase",
-            "skipped_steps", "global_steps", "process_gpu_bytes", "torch_reserved_end_bytes", "trace_file",
+            "skipped_steps", "skipped_step_indices", "global_steps", "process_gpu_bytes", "torch_reserved_end_bytes", "trace_file",
             "trainable_params", "frozen_params")
     out.update({k: chosen.get(k) for k in keys})
+    trainer = ("trainer_note", "trainer_ds_config", "auto_fill_check", "trainer_optimizer", "trainer_scheduler")
+    out.update({k: chosen[k] for k in trainer if k in chosen})  # --loop hf-trainer (verify/trainer.py)
+    if "training_args" in chosen:
+        out["trainer_training_args"] = chosen["training_args"]
     if failed is not None and layers is not None:
         out["error"] = f"{failed.get('error')} (at {runs[loaded.index(failed)]['num_layers']} layers)"
     return out

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..dsconfig_emit import to_ds_config
 from ..specs import Job
-from . import autotp, hfbuild, pipeline
+from . import autotp, hfbuild, pipeline, trainer
 from .envinfo import environment, write_json_atomic
 from .phases import Meter, Recorder, TimelineHooks
 
@@ -138,8 +138,11 @@ def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_ra
                 if hooks:
                     hooks.remove()
                 rec.begin(f"step{s}.micro{m}.step")
+                before = int(getattr(engine, "skipped_steps", 0))
                 engine.step()
                 rec.end()
+                if m == t.grad_accum - 1 and int(getattr(engine, "skipped_steps", 0)) > before:
+                    rec.skipped.append(s)  # the fp16 loss scaler skipped this optimizer step
                 del ids
     del outputs
 
@@ -183,6 +186,11 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             rec.end()
             row.update(pipeline.stage_note(engine))
             pipeline.train(engine, config, job, rec, task["steps"], device)
+        elif job.training.loop == "hf-trainer":  # a real transformers.Trainer (verify/trainer.py)
+            reason = trainer.unsupported_reason(task, job)
+            if reason:
+                raise Unsupported(reason)
+            engine = trainer.run(task, job, rec, device, row)
         else:
             engine, model, sp_rank = initialize(task, job, device)
             rec.end()
@@ -193,6 +201,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
             train(engine, model, job, rec, task["steps"], device, sp_rank)
         # steps the loss scaler / overflow check skipped: until one succeeds no optimizer state exists
         row["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
+        row["skipped_step_indices"] = list(rec.skipped)
         row["global_steps"] = int(getattr(engine, "global_steps", 0))
     except Unsupported as exc:
         row.update(status="unsupported", error=str(exc))

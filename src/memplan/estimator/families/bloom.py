@@ -94,12 +94,12 @@ def causal_mask(net: Net, rows: int) -> Tensor:
     return out
 
 
-def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i: int) -> Tensor:
+def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i: int) -> tuple[Tensor, Tensor]:
     """BloomAttention.forward: fused query_key_value viewed [B, S, nh, 3, d] and q, k, v selected
     (SelectBackward0: zeros of the fused size, the grad copied in) and transposed; each reshaped to
     [B·nh, S, d] (a copy for B > 1); alibi.baddbmm(q, k^T, beta=1, alpha=1/√d); + mask; softmax in fp32,
     .to(dtype); attention_dropout; bmm with v; _merge_heads (view, permute, reshape: a copy); dense;
-    dropout_add. The locals die as it returns."""
+    dropout_add. The locals die as it returns; it returns (output_tensor, attention_probs)."""
     ag, m, s = net.ag, net.m, net.s
     pre, h, b = f"transformer.h.{i}.self_attention", m.hidden_size, s.b
     nh, S = m.num_heads, s.seq
@@ -131,9 +131,9 @@ def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i
     y = net.linear(merged, f"{pre}.dense", h, True)
     out = dropout_add(net, y, residual, f"{pre}.residual")
     ag.release(y)
-    for t in (fused, q, k, v, scores, masked, dropped, merged):  # co_varnames order
+    for t in (fused, q, k, v, scores, masked, merged):  # co_varnames order; attention_probs is returned
         ag.release(t)
-    return out
+    return out, dropped
 
 
 def baddbmm(ag, al: Tensor, q: Tensor, k: Tensor, out_bytes: int, name: str) -> Tensor:
@@ -197,24 +197,25 @@ def mlp(net: Net, x: Tensor, residual: Tensor, i: int) -> Tensor:
     act = gelu(net, a, f"{pre}.gelu_impl")
     ag.release(a)
     y = net.linear(act, f"{pre}.dense_4h_to_h", m.hidden_size, True)
-    ag.release(act)
     out = dropout_add(net, y, residual, f"{pre}.residual")
+    ag.release(act)  # the function returns: hidden_states (gelu's output), intermediate_output die
     ag.release(y)
     return out
 
 
-def block(net: Net, x: Tensor, i: int, al: Tensor, mask: Tensor) -> Tensor:
-    """BloomBlock.forward (apply_residual_connection_post_layernorm False: the residuals are the inputs)."""
+def block(net: Net, x: Tensor, i: int, al: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """BloomBlock.forward (apply_residual_connection_post_layernorm False: the residuals are the inputs):
+    returns (output, attn_weights), the attention's probabilities, which the caller's ``outputs`` keeps."""
     ag = net.ag
     pre = f"transformer.h.{i}"
     ln = net.layernorm(x, f"{pre}.input_layernorm")
-    a = attention(net, ln, x, al, mask, i)
-    ag.release(ln)
+    a, weights = attention(net, ln, x, al, mask, i)
     ln2 = net.layernorm(a, f"{pre}.post_attention_layernorm")
+    ag.release(ln)  # layernorm_output rebound
     out = mlp(net, ln2, a, i)
     ag.release(ln2)
     ag.release(a)
-    return out
+    return out, weights
 
 
 def forward(net: Net) -> Output:
@@ -227,13 +228,15 @@ def forward(net: Net) -> Output:
     ones = ag.empty("attention_mask", B.FP32 * s.batch * s.seq)
     al = alibi(net)
     mask = causal_mask(net, s.batch)
+    weights = None  # outputs = block(...): the tuple keeps the last block's attn_weights
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: block(net, x, i, al, mask))
-        ag.release(hidden)
-        hidden = new
+        new, new_weights = net.layer(i, hidden, lambda x, i=i: block(net, x, i, al, mask), (mask, al))
+        ag.release(weights)  # outputs rebound: the previous tuple dies
+        ag.release(hidden)  # hidden_states = outputs[0]
+        hidden, weights = new, new_weights
     normed = net.layernorm(hidden, "transformer.ln_f")
     ag.release(hidden)
-    for t in (ones, emb, al, mask):  # BloomModel.forward returns: its locals die in co_varnames order
+    for t in (ones, emb, al, mask, weights):  # BloomModel.forward returns: its locals die in co_varnames order
         ag.release(t)
     head_in = ag.view(normed)
     ag.release(normed)

@@ -15,6 +15,7 @@ from ..transformer import (
     causal_lm_loss,
     causal_mask,
     embedding,
+    frame_extras,
     logits_comp,
     packed_sequence_check,
     position_ids,
@@ -27,10 +28,10 @@ def dropout(net: Net, x: Tensor, p: float, name: str) -> Tensor:
 
 
 def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: A.Geometry,
-                    name: str) -> Tensor:
+                    name: str) -> tuple[Tensor, Tensor]:
     """GPT-2's eager_attention_forward: (q @ k^T)·scaling (torch.matmul copies q and k, whose memory is
     [B, S, 3h] rows, for B > 1), + mask, softmax in the dtype, dropout, @ v, transpose(1, 2) (a view; the
-    caller's reshape copies it)."""
+    caller's reshape copies it). Returns the output and attn_weights (the dropout's output)."""
     ag = net.ag
     copy = A._folds_copy(True, g)
     scores = B.matmul(ag, q, k, g.scores(), f"{name}.scores", copy_a=copy, copy_c=copy)
@@ -45,14 +46,13 @@ def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     dropped = dropout(net, probs, net.m.attention_dropout, f"{name}.dropout")
     ag.release(probs)
     out = B.matmul(ag, dropped, v, g.bytes(), f"{name}.out", copy_c=copy, grad_copy=copy)
-    ag.release(dropped)
-    return out
+    return out, dropped
 
 
-def attention(net: Net, x: Tensor, i: int, mask: Tensor | None) -> Tensor:
+def attention(net: Net, x: Tensor, i: int, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """GPT2Attention.forward: c_attn, split in q, k, v (views under one SplitBackward0), each viewed as
     [B, nh, S, d]; the attention interface; reshape(..).contiguous() (a copy after eager's transpose, a view
-    after sdpa's contiguous); c_proj; resid_dropout."""
+    after sdpa's contiguous); c_proj; resid_dropout. Returns the output and attn_weights (None for sdpa)."""
     ag, m, s = net.ag, net.m, net.s
     pre, h = f"transformer.h.{i}.attn", m.hidden_size
     g = A.Geometry(s.batch, s.attn_seq, m.num_heads, m.num_heads, m.head_dim, s.b)
@@ -67,10 +67,10 @@ def attention(net: Net, x: Tensor, i: int, mask: Tensor | None) -> Tensor:
     for t in parts:
         ag.release(t)
     if net.attention == "eager":
-        out = eager_attention(net, q, k, v, mask, g, f"{pre}.attn")
+        out, weights = eager_attention(net, q, k, v, mask, g, f"{pre}.attn")
         o = B.clone(ag, out, f"{pre}.attn.out_contiguous")
     else:
-        out = A.sdpa_attention(net, q, k, v, mask, g, dropout=m.attention_dropout, name=f"{pre}.attn")
+        out, weights = A.sdpa_attention(net, q, k, v, mask, g, dropout=m.attention_dropout, name=f"{pre}.attn"), None
         o = ag.view(out)
     ag.release(out)
     y = net.conv1d(o, f"{pre}.c_proj", h)
@@ -79,7 +79,7 @@ def attention(net: Net, x: Tensor, i: int, mask: Tensor | None) -> Tensor:
     ag.release(y)
     for t in (q, k, v):  # the locals die as forward returns
         ag.release(t)
-    return z
+    return z, weights
 
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
@@ -102,14 +102,14 @@ def block(net: Net, x: Tensor, i: int, mask: Tensor | None) -> Tensor:
     ag = net.ag
     pre = f"transformer.h.{i}"
     h = net.layernorm(x, f"{pre}.ln_1")
-    a = attention(net, h, i, mask)
-    ag.release(h)
+    a, weights = attention(net, h, i, mask)  # attn_output, _ = self.attn(...)
     hidden = B.add(ag, a, x, f"{pre}.attn_residual")
+    ag.release(h)  # hidden_states (ln_1's output) rebound to attn_output + residual
     h2 = net.layernorm(hidden, f"{pre}.ln_2")
     ff = mlp(net, h2, i)
-    ag.release(h2)
     out = B.add(ag, hidden, ff, f"{pre}.mlp_residual")
-    for t in (hidden, a, ff):
+    ag.release(h2)  # hidden_states (ln_2's output) rebound to residual + feed_forward_hidden_states
+    for t in (hidden, a, weights, ff):  # co_varnames: residual, attn_output, _, feed_forward_hidden_states
         ag.release(t)
     return out
 
@@ -129,7 +129,9 @@ def forward(net: Net) -> Output:
     ag.release(hidden)
     hidden = dropped
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: block(net, x, i, mask))
+        # checkpointed, the frame drops the keyword arguments (position_ids), then the positional ones last
+        # first: the mask (passed positionally), then the hidden states
+        new = net.layer(i, hidden, lambda x, i=i: block(net, x, i, mask), frame_extras(pos, mask))
         ag.release(hidden)
         hidden = new
     normed = net.layernorm(hidden, "transformer.ln_f")

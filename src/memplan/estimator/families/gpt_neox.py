@@ -10,7 +10,17 @@ from .. import blocks as B
 from .. import blocks_attention as A
 from .. import blocks_gpt as G
 from ..autograd import Tensor
-from ..transformer import Net, Output, causal_lm_loss, causal_mask, embedding, logits_comp, positions, rotary
+from ..transformer import (
+    Net,
+    Output,
+    causal_lm_loss,
+    causal_mask,
+    embedding,
+    frame_extras,
+    logits_comp,
+    positions,
+    rotary,
+)
 
 
 def rotary_dims(net: Net) -> int:
@@ -44,7 +54,8 @@ def partial_rope(net: Net, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, pre: 
     return out[0], out[1]
 
 
-def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None
+              ) -> tuple[Tensor, Tensor | None]:
     """GPTNeoXAttention.forward: query_key_value(x).view(B, S, nh, 3d).transpose(1, 2) (its backward
     reshapes the contiguous grad of the chunk: a copy), chunk(3) into q, k, v, RoPE on q and k (cat makes
     them contiguous [B, nh, S, d]), the attention interface, reshape(..).contiguous(), dense."""
@@ -60,18 +71,19 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     ag.release(q)
     ag.release(k)
     if net.attention == "eager":
-        out = A.eager_attention(net, qe, ke, v, mask, g, dropout=m.attention_dropout, name=f"{pre}.attn",
-                                q_bshd=False, k_bshd=False)
+        out, weights = A.eager_attention(net, qe, ke, v, mask, g, dropout=m.attention_dropout,
+                                         name=f"{pre}.attn", q_bshd=False, k_bshd=False)
     else:
         out = A.sdpa_attention(net, qe, ke, v, mask, g, dropout=m.attention_dropout, name=f"{pre}.attn",
                                bshd=(False, False, True))
+        weights = None
     o_in = ag.view(out)  # attn_output.reshape(*input_shape, -1).contiguous()
     ag.release(out)
     y = net.linear(o_in, f"{pre}.dense", h, m.attention_out_bias)
     ag.release(o_in)
     for t in (qe, ke, v):
         ag.release(t)
-    return y
+    return y, weights
 
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
@@ -93,7 +105,7 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
     ag, m = net.ag, net.m
     pre = f"gpt_neox.layers.{i}"
     h = net.layernorm(x, f"{pre}.input_layernorm")
-    a = attention(net, h, i, cos, sin, mask)
+    a, weights = attention(net, h, i, cos, sin, mask)  # attn_output, _ = self.attention(...)
     ag.release(h)
     attn_out = dropout(net, a, m.hidden_dropout, f"{pre}.post_attention_dropout")
     ag.release(a)
@@ -116,8 +128,8 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
         mlp_out = dropout(net, y, m.hidden_dropout, f"{pre}.post_mlp_dropout")
         ag.release(y)
         out = B.add(ag, mlp_out, attn_out, f"{pre}.residual")
-    ag.release(attn_out)
-    ag.release(mlp_out)
+    for t in (attn_out, weights, mlp_out):  # co_varnames: attn_output, _, mlp_output
+        ag.release(t)
     return out
 
 
@@ -131,7 +143,8 @@ def forward(net: Net) -> Output:
     hidden = dropout(net, emb, m.embedding_dropout, "gpt_neox.emb_dropout")
     cos, sin = rotary(ag, m, s, rotary_dims(net))
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin, mask))
+        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin, mask),
+                        frame_extras(mask, pos_ids, (cos, sin)))  # attention_mask, position_ids, …
         ag.release(hidden)
         hidden = new
     normed = net.layernorm(hidden, "gpt_neox.final_layer_norm")

@@ -11,7 +11,17 @@ from __future__ import annotations
 from .. import blocks as B
 from .. import blocks_attention as A
 from ..autograd import Tensor
-from ..transformer import Net, Output, causal_lm_loss, causal_mask, embedding, logits_comp, positions, rotary
+from ..transformer import (
+    Net,
+    Output,
+    causal_lm_loss,
+    causal_mask,
+    embedding,
+    frame_extras,
+    logits_comp,
+    positions,
+    rotary,
+)
 
 
 def geometry(net: Net) -> A.Geometry:
@@ -20,10 +30,11 @@ def geometry(net: Net) -> A.Geometry:
     return A.Geometry(s.batch, s.attn_seq, m.num_heads, m.num_kv_heads, m.head_dim, s.b)
 
 
-def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None
+              ) -> tuple[Tensor, Tensor | None]:
     """LlamaAttention.forward: q/k/v projections viewed as [B, heads, S, d] (Qwen3: each RMSNorm'd per head
     first), RoPE on q and k, the attention interface (eager or sdpa), the output projection; the locals
-    (q, k, v) die as it returns, after o_proj."""
+    (q, k, v) die as it returns, after o_proj. Returns the output and attn_weights (eager's; None for sdpa)."""
     ag, m = net.ag, net.m
     pre = f"model.layers.{i}.self_attn"
     g = geometry(net)
@@ -52,16 +63,16 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     ag.release(qv)
     ag.release(kv)
     if net.attention == "eager":
-        out = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
+        out, weights = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
     else:
-        out = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
+        out, weights = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn"), None
     o_in = ag.view(out)  # attn_output.reshape(*input_shape, -1).contiguous(): already [B, S, nh·d]
     ag.release(out)
     y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
-    ag.release(o_in)
-    for z in (qr, kr, vv):
+    ag.release(o_in)  # attn_output rebound to o_proj's output
+    for z in (qr, kr, vv):  # the function returns: query/key/value_states die
         ag.release(z)
-    return y
+    return y, weights
 
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
@@ -86,7 +97,7 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
     pre = f"model.layers.{i}"
     residual = ag.ref(x)
     h = net.rmsnorm(x, f"{pre}.input_layernorm")
-    a = attention(net, h, i, cos, sin, mask)
+    a, weights = attention(net, h, i, cos, sin, mask)  # hidden_states, _ = self.self_attn(...)
     ag.release(h)
     h = B.add(ag, residual, a, f"{pre}.attn_residual")
     ag.release(a)
@@ -98,20 +109,32 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
     ag.release(h2)
     out = B.add(ag, residual, y, f"{pre}.mlp_residual")
     ag.release(y)
-    ag.release(residual)
+    ag.release(residual)  # the frame's locals die in co_varnames order: residual, then _ (attn_weights)
+    ag.release(weights)
     return out
+
+
+def layer_extras(m, mask: Tensor | None, cos: Tensor, sin: Tensor, pos_ids: Tensor | None) -> tuple[Tensor, ...]:
+    """The decoder layer's tensor keyword arguments as *Model.forward passes them (Llama and Qwen2/3:
+    attention_mask, position_embeddings, position_ids; Mistral and Mixtral: attention_mask, position_ids,
+    position_embeddings)."""
+    if m.family in ("mistral", "mixtral"):
+        return frame_extras(mask, pos_ids, (cos, sin))
+    return frame_extras(mask, (cos, sin), pos_ids)
 
 
 def forward(net: Net, mlp_fn=mlp) -> Output:
     """LlamaForCausalLM.forward(input_ids, labels): the output object (loss and logits)."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
-    emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, p["model.embed_tokens.weight"]))
+    w = p["model.embed_tokens.weight"]
+    emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, w), params=(w,))
     pos_ids = positions(ag, s)
     mask = causal_mask(net)
     cos, sin = rotary(ag, m, s)
     hidden = ag.ref(emb)
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin, mask, mlp_fn))
+        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin, mask, mlp_fn),
+                        layer_extras(m, mask, cos, sin, pos_ids))
         ag.release(hidden)
         hidden = new
     normed = net.rmsnorm(hidden, "model.norm")

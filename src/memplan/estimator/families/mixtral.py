@@ -28,11 +28,11 @@ def router(net: Net, x: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
                   lambda ctx, grad, node: (ctx.new(f"grad.{pre}.softmax", B.FP32 * t * e),))
     ag.release(f32)
     values, indices = M.topk(ag, probs, t, k, f"{pre}.topk")
-    ag.release(probs)
     total = M.sum_last(ag, values, B.FP32 * t, f"{pre}.topk_sum")
     weights = M.div_inplace(ag, values, total, f"{pre}.normalized")
     ag.release(values)
-    ag.release(total)
+    ag.release(total)  # the sum is a temporary of the statement
+    ag.release(probs)  # router_probs: a local until the function returns
     return logits, weights, indices
 
 
@@ -79,7 +79,11 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tens
     inv_perm = ag.empty(f"{pre}.inv_perm", INT64 * rows)  # empty_like(perm); inv_perm[perm] = arange(S)
     ag.release(ag.empty(f"{pre}.arange", INT64 * rows))
     unsorted = M.index_rows(ag, net, weighted, inv_perm, rows, B.FP32 * h, f"{pre}.unsorted")
-    ag.release(weighted)
+    # weighted_out = weighted_out[inv_perm]; a checkpoint's recompute stops inside this index (it saves the
+    # layer's last tensor): the assignment never runs and the old weighted_out dies with the frame's locals
+    stopped = ag.suppress
+    if not stopped:
+        ag.release(weighted)
     # .view(T, k, h).sum(1): SumBackward1 expands the grad to [T, k, h], which the view's backward reshapes
     # to [S, h]: a copy unless k is 1
     summed = ag.op(f"{pre}.sum", B.FP32 * t * h, (unsorted,), (),
@@ -88,8 +92,8 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tens
     out = B.to_dtype(ag, summed, b * t * h, f"{pre}.out")
     # the function returns: expert_ids_g, perm, selected, sample_weights_g, histc_input, tokens_per_expert,
     # offsets, sentinel_mask, proj_out, weighted_out, inv_perm, final_hidden_states (co_varnames order)
-    for z in (expert_ids_g, perm, selected, sample_w, histc_input, per_expert, offsets, sentinel, proj, unsorted,
-              inv_perm, summed):
+    for z in (expert_ids_g, perm, selected, sample_w, histc_input, per_expert, offsets, sentinel, proj,
+              weighted if stopped else unsorted, inv_perm, summed):
         ag.release(z)
     return out
 

@@ -1,0 +1,90 @@
+"""No ZeRO: DeepSpeed's FP16_Optimizer (fp16, and DDP_BFLOAT16 for bf16; runtime/fp16/fused_optimizer.py) and a
+plain torch optimizer in fp32, as ledger events.
+
+FP16_Optimizer.__init__ flattens each group from clones of its parameters (``_flatten_dense_tensors([p.clone()
+…])``: the clones live until the flat buffer is made), points the parameters into the flat buffer (their own
+storages die), and clones the flat buffer to an fp32 master (``.clone().float()``). initialize_optimizer_states
+runs one optimizer step on a zero fp32 grad, so the optimizer states exist from init. Backward keeps the 16-bit
+grads as ``param.grad`` (accumulating in place over micro-steps). step(): each grad cast to fp32
+(``p.grad.to(fp32)``), all of them flattened into one fp32 grad, the 16-bit grads dropped, the optimizer run,
+the fp32 grad dropped. Engine allreduce at the boundary (buffered_allreduce_fallback) flattens the grads in
+buckets of allreduce_bucket_size elements (a copy per bucket) when there is more than one rank.
+"""
+
+from __future__ import annotations
+
+from ..ledger import Ledger
+from .autograd import Autograd, Tensor
+from .optim import Optimizer
+
+FP32 = 4
+
+
+class Zero0:
+    """FP16_Optimizer / DDP_BFLOAT16 (``mixed``), or a plain torch optimizer in fp32."""
+
+    def __init__(self, ledger: Ledger, names: list[str], numels: list[int], b: int, optimizer: Optimizer,
+                 dp: int, allreduce_bucket: int):
+        self.L, self.names, self.numels, self.b, self.opt = ledger, names, numels, b, optimizer
+        self.mixed = b < FP32
+        self.dp, self.bucket = dp, allreduce_bucket
+        self.grads: dict[str, Tensor] = {}
+        self.total = sum(numels)
+
+    def initialize(self, param_ids: dict[str, int]) -> None:
+        L, b = self.L, self.b
+        if not self.mixed:
+            return
+        clones = [L.alloc("fp16_optimizer.param_clone", b * n, "params_16bit") for n in self.numels]
+        L.alloc("fp16_optimizer.fp16_groups_flat", b * self.total, "params_16bit")
+        for c in clones:
+            L.free(c)
+        for name in self.names:
+            if name in param_ids:
+                L.free(param_ids.pop(name))
+        clone = L.alloc("fp16_optimizer.flat_clone", b * self.total, "master_params_fp32")
+        L.alloc("fp16_optimizer.fp32_groups_flat", FP32 * self.total, "master_params_fp32")
+        L.free(clone)
+        grad = L.alloc("fp16_optimizer.initial_grad", FP32 * self.total, "optimizer_step_transient")
+        self.opt.step(L, self.total, True)
+        L.free(grad)
+
+    def on_param_grad(self, ag: Autograd, param: Tensor, grad: Tensor) -> None:
+        old = self.grads.get(param.param)
+        if old is None:
+            self.grads[param.param] = grad  # AccumulateGrad steals the first grad
+        else:
+            ag.release(grad)  # param.grad += grad in place
+
+    def end_backward(self, ag: Autograd, boundary: bool) -> None:
+        if boundary and self.dp > 1:  # engine.allreduce_gradients → buffered_allreduce_fallback
+            left = self.total
+            while left > 0:
+                n = min(left, self.bucket)
+                self.L.free(self.L.alloc("engine.allreduce_flat", self.b * n, "grad_bucket"))
+                left -= n
+
+    def skip(self, ag: Autograd) -> None:
+        """An overflowing fp16 step: FP16_Optimizer drops the 16-bit grads and returns (_skip_invalid_grad_norm)."""
+        for g in self.grads.values():
+            ag.release(g)
+        self.grads.clear()
+
+    def step(self, ag: Autograd, first: bool) -> None:
+        L = self.L
+        if not self.mixed:
+            self.opt.step(L, self.total, first)
+            for g in self.grads.values():  # the training loop's zero_grad (engine.step: set_to_none)
+                ag.release(g)
+            self.grads.clear()
+            return
+        casts = [L.alloc("fp16_optimizer.grad_fp32", FP32 * n, "optimizer_step_transient") for n in self.numels]
+        flat = L.alloc("fp16_optimizer.grads_groups_flat", FP32 * self.total, "optimizer_step_transient")
+        for c in casts:
+            L.free(c)
+        for name in self.names:  # p.grad = None
+            g = self.grads.pop(name, None)
+            if g is not None:
+                ag.release(g)
+        self.opt.step(L, self.total, False)
+        L.free(flat)

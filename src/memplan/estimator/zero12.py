@@ -1,0 +1,253 @@
+"""ZeRO stages 1 and 2 (DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer) as ledger events.
+
+Init: the 16-bit parameters are flattened into one buffer per group (flatten_dense_tensors_aligned: padded to
+``nccl_start_alignment_factor`` (2) × N elements) and each parameter's own storage is freed
+(_update_model_bit16_weights points it into the flat buffer); the rank's partition is cloned and cast to the
+fp32 master (single_partition_of_fp32_groups); initialize_optimizer_states makes and drops a zero fp32 grad.
+Backward: the first gradient hook allocates the IPG bucket (setup_buckets: reduce_bucket_size elements, two with
+overlap_comm); each parameter's grad is copied into it and freed (reduce_independent_p_g_buckets_and_remove_grads);
+a bucket that would overflow is reduced first (reduce_ipg_grads → average_tensor: slices of each parameter by
+destination partition, flattened per small bucket when there are several → allreduce_bucket, on the reduction
+stream with overlap_comm); the grads of parameters that overlap this rank's partition are copied into
+``grads_in_partition`` (allocated at the first such copy, whole parameters: copy_grads_in_partition). Stage 1
+keeps the full 16-bit grads through backward and reduces them all at the boundary (reduce_gradients). At the end
+of backward the buckets are released (_release_ipg_buffers). Step (step): the norm upcasts each partition piece
+to fp64 in turn (get_grad_norm_direct), the partition is flattened (16-bit) and cast to fp32, grads_in_partition
+dropped, the optimizer runs (states created at its first step), the fp32 grad dropped.
+
+Symbols: P the group's trainable parameters, N the partition group, b bytes of the 16-bit dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ledger import Ledger
+from .autograd import Autograd, Tensor
+from .optim import Optimizer
+
+#: stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: alignment = nccl_start_alignment_factor · world
+NCCL_START_ALIGNMENT_FACTOR = 2
+#: the stream DeepSpeed's reduction work runs on with overlap_comm (reduction_stream, a new CUDA stream)
+REDUCTION_STREAM = 1
+FP32, FP64 = 4, 8
+
+
+@dataclass
+class FlatGroup:
+    """One optimizer parameter group flattened and partitioned over N ranks, seen from rank ``rank``."""
+
+    names: list[str]
+    numels: list[int]
+    n: int
+    rank: int
+    padded: int = 0
+    partition: int = 0
+    offsets: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        total = sum(self.numels)
+        align = NCCL_START_ALIGNMENT_FACTOR * self.n
+        self.padded = -(-total // align) * align
+        self.partition = self.padded // self.n
+        off = 0
+        for x in self.numels:
+            self.offsets.append(off)
+            off += x
+
+    def overlap(self, i: int, rank: int | None = None) -> int:
+        """Elements of parameter i inside ``rank``'s partition (this rank by default)."""
+        r = self.rank if rank is None else rank
+        lo, hi = r * self.partition, (r + 1) * self.partition
+        a, z = self.offsets[i], self.offsets[i] + self.numels[i]
+        return max(0, min(z, hi) - max(a, lo))
+
+    def slices(self, i: int) -> list[tuple[int, int]]:
+        """(destination rank, elements) of parameter i cut at partition boundaries, in order."""
+        a, z = self.offsets[i], self.offsets[i] + self.numels[i]
+        out = []
+        while a < z:
+            r = min(a // self.partition, self.n - 1)
+            end = min(z, (r + 1) * self.partition)
+            out.append((r, end - a))
+            a = end
+        return out
+
+    def in_partition(self, i: int) -> bool:
+        return self.overlap(i) > 0
+
+
+class Zero12:
+    """The DeepSpeedZeroOptimizer's allocations (see the module docstring)."""
+
+    def __init__(self, ledger: Ledger, stage: int, groups: list[FlatGroup], b: int, reduce_bucket: int,
+                 overlap_comm: bool, grad_accum: int, optimizer: Optimizer, comm_bytes: int | None = None,
+                 offload: bool = False):
+        self.L, self.stage, self.groups, self.b = ledger, stage, groups, b
+        self.rbs, self.overlap, self.ga, self.opt = reduce_bucket, overlap_comm, grad_accum, optimizer
+        self.comm_b = comm_bytes or b  # fp32 under Ulysses (seq_parallel_communication_data_type)
+        self.index = {n: (g, i) for g, grp in enumerate(groups) for i, n in enumerate(grp.names)}
+        self.masters: list[int] = []
+        self.bucket: list[int] = []  # ledger ids of the IPG buffers
+        self.bucket_params: list[tuple[str, Tensor | None]] = []  # (name, grad kept outside the bucket)
+        self.bucket_elements = 0
+        self.grads_in_partition: int | None = None
+        self.held: dict[str, Tensor] = {}  # stage 1 / accumulation: param.grad kept whole
+        self.micro = 0
+        self.stream = REDUCTION_STREAM if overlap_comm else 0
+        self.offload = offload  # offload_optimizer: fp32 master, grads and states live on the host
+
+    # -- init -------------------------------------------------------------------------------------------
+    def initialize(self, param_ids: dict[str, int]) -> None:
+        """Flatten each group (params' own storages freed), clone the partition to fp32, test-zero its grad."""
+        L, b = self.L, self.b
+        for grp in self.groups:
+            L.alloc("zero.bit16_groups_flat", b * grp.padded, "params_16bit")
+            for name in grp.names:
+                if name in param_ids:
+                    L.free(param_ids.pop(name))
+        for grp in self.groups:  # .detach().clone().to(device=self.device, dtype=fp32): host under offload
+            clone = L.alloc("zero.partition_clone", b * grp.partition, "master_params_fp32")
+            if not self.offload:
+                self.masters.append(L.alloc("zero.single_partition_of_fp32_groups", FP32 * grp.partition,
+                                            "master_params_fp32"))
+            L.free(clone)
+        if self.offload:  # temp_grad_buffer_for_gpu_offload: zeros [largest parameter] on the GPU
+            largest = max(n for grp in self.groups for n in grp.numels)
+            L.alloc("zero.temp_grad_buffer_for_gpu_offload", b * largest, "offload_staging")
+            return
+        for grp in self.groups:  # initialize_optimizer_states: a zero fp32 grad, dropped again
+            L.free(L.alloc("zero.initial_grad", FP32 * grp.partition, "optimizer_step_transient"))
+
+    # -- backward -------------------------------------------------------------------------------------
+    def _setup_buckets(self) -> None:
+        if not self.bucket:
+            for _ in range(2 if self.overlap else 1):
+                self.bucket.append(self.L.alloc("zero.ipg_bucket", self.b * self.rbs, "grad_bucket"))
+
+    def on_param_grad(self, ag: Autograd, param: Tensor, grad: Tensor) -> None:
+        """AccumulateGrad then DeepSpeed's grad hook (process_gradients) for one parameter's fresh grad."""
+        name = param.param
+        if name not in self.index:  # frozen: no hook
+            ag.release(grad)
+            return
+        old = self.held.get(name)
+        if old is not None:  # param.grad += grad (in place): the new one dies
+            ag.release(grad)
+            grad = old
+        self._setup_buckets()
+        if self.stage == 1:
+            self.held[name] = grad  # stage 1: reduced at the boundary (reduce_gradients)
+            return
+        self._bucket_param(ag, name, grad)
+
+    def _bucket_param(self, ag: Autograd, name: str, grad: Tensor) -> None:
+        g, i = self.index[name]
+        numel = self.groups[g].numels[i]
+        if self.bucket_elements + numel > self.rbs:
+            self.reduce_ipg_grads(ag)
+        if numel > self.rbs:  # extra_large_param_to_reduce: its own grad is reduced, not copied
+            self.bucket_params.append((name, grad))
+        else:
+            ag.release(grad)  # copied into the bucket; param.grad now views the bucket
+            self.bucket_params.append((name, None))
+        self.bucket_elements += numel
+
+    def reduce_ipg_grads(self, ag: Autograd) -> None:
+        """average_tensor on the bucket's contents, then each parameter's grad to its partition or dropped."""
+        if not self.bucket_params:
+            return
+        s = self.stream
+        pieces = []  # (destination, elements) merged over consecutive same-destination slices
+        for name, _ in self.bucket_params:
+            g, i = self.index[name]
+            for dst, n in self.groups[g].slices(i):
+                if pieces and pieces[-1][0] == dst:
+                    pieces[-1] = (dst, pieces[-1][1] + n)
+                else:
+                    pieces.append((dst, n))
+        small, count = [], 0  # allreduce_and_scatter: small buckets of up to reduce_bucket_size elements
+        for piece in pieces:
+            small.append(piece)
+            count += piece[1]
+            if count > self.rbs:
+                self._allreduce(small, count, s)
+                small, count = [], 0
+        if small:
+            self._allreduce(small, count, s)
+        for name, kept in self.bucket_params:
+            g, i = self.index[name]
+            if self.groups[g].in_partition(i):
+                if self.offload:
+                    self._offload_piece(self.groups[g].overlap(i))
+                else:
+                    self._copy_to_partition()
+            if kept is not None:
+                ag.release(kept)
+        self.bucket_params, self.bucket_elements = [], 0
+
+    def _allreduce(self, small: list[tuple[int, int]], elements: int, stream: int) -> None:
+        """allreduce_bucket: flatten (a copy when there are several slices), cast to fp32 for Ulysses."""
+        L = self.L
+        flat = L.alloc("zero.allreduce_flat", self.b * elements, "grad_bucket", stream) if len(small) > 1 else None
+        if self.comm_b != self.b:
+            L.free(L.alloc("zero.allreduce_fp32", self.comm_b * elements, "grad_bucket", stream))
+        if flat is not None:
+            L.free(flat)
+
+    def _offload_piece(self, n: int) -> None:
+        """copy_grads_in_partition under cpu_offload at the boundary: set_norm_for_param_grad_in_gpu (the piece
+        in fp64) and async_inplace_copy_grad_to_fp32_buffer_from_gpu (the piece cast to fp32, copied out)."""
+        L, s = self.L, self.stream
+        L.free(L.alloc("zero.offload_norm_fp64", FP64 * n, "offload_staging", s))
+        L.free(L.alloc("zero.offload_grad_fp32", FP32 * n, "offload_staging", s))
+
+    def _copy_to_partition(self) -> None:
+        if self.grads_in_partition is None:
+            total = sum(grp.numels[i] for grp in self.groups for i in range(len(grp.numels)) if grp.in_partition(i))
+            self.grads_in_partition = self.L.alloc("zero.grads_in_partition", self.b * total, "gradients",
+                                                   self.stream)
+
+    def end_backward(self, ag: Autograd, boundary: bool) -> None:
+        """The backward epilogue: stage 2 reduces the rest and releases the buckets; stage 1 reduces
+        everything at the boundary (reduce_gradients) in parameter order."""
+        if self.stage == 1:
+            if not boundary:
+                return
+            for grp in self.groups:
+                for name in grp.names:
+                    grad = self.held.pop(name, None)
+                    if grad is not None:
+                        self._bucket_param(ag, name, grad)
+        self.reduce_ipg_grads(ag)
+        for tid in self.bucket:
+            self.L.free(tid)
+        self.bucket = []
+        self.micro += 1
+
+    # -- step -----------------------------------------------------------------------------------------
+    def skip(self, ag: Autograd) -> None:
+        """An overflowing fp16 step: grads set to None, grads_in_partition kept for the next step."""
+        self.micro = 0
+
+    def step(self, first: bool) -> None:
+        """DeepSpeedZeroOptimizer.step at a boundary."""
+        L, b = self.L, self.b
+        if self.offload:  # the norm and the optimizer run on the host (DeepSpeedCPUAdam)
+            self.micro = 0
+            return
+        for grp in self.groups:  # scaled_global_norm → get_grad_norm_direct: one fp64 piece at a time
+            for i in range(len(grp.numels)):
+                n = grp.overlap(i)
+                if n:
+                    L.free(L.alloc("zero.norm_fp64", FP64 * n, "optimizer_step_transient"))
+        for g, grp in enumerate(self.groups):
+            flat = L.alloc("zero.flat_grad_partition", b * grp.partition, "optimizer_step_transient")
+            fp32 = L.alloc("zero.single_grad_partition", FP32 * grp.partition, "optimizer_step_transient")
+            L.free(flat)
+            if self.grads_in_partition is not None and g == len(self.groups) - 1:
+                L.free(self.grads_in_partition)
+                self.grads_in_partition = None
+            self.opt.step(L, grp.partition, first, g)
+            L.free(fp32)
+        self.micro = 0
