@@ -121,7 +121,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
             L.mark(f"step{step}.micro{micro}.forward")
             if hooks is not None:
                 hooks.start_forward()
-            out = forward(Net(ag, job.model, s, params, hooks, layer_fn))
+            out = forward(Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype))
             if kept is not None:
                 ag.release(kept)  # the name is rebound: the previous output object dies
                 kept = None

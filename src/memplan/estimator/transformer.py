@@ -87,18 +87,23 @@ class Net:
         self.dtype = dtype  # TrainingSpec.dtype (bf16 and fp16 differ in CUDA's softmax)
         self.sdpa_backend = sdpa_backend  # a kernel forced as torch.nn.attention.sdpa_kernel does (None: dispatch)
 
-    def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor, ...] = ()) -> Tensor:
-        """Call module ``name`` (``fn(*inputs)``, parameters ``params``) between its hooks."""
+    def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor | None, ...] = (), hooked: int = 0):
+        """Call module ``name`` (``fn(*inputs)``; ``params``: its own parameters, module.parameters(recurse=False)
+        in registration order, None entries skipped) between its hooks. ``fn`` may return a tuple of tensors;
+        ``hooked`` is the one gradients reach, which carries the module's pre-backward hook."""
         ag = self.ag
+        params = tuple(t for t in params if t is not None)
         wrapped = self.hooks.pre_forward(ag, name, params, inputs)
         out = fn(*wrapped)
         for w, x in zip(wrapped, inputs):
             if w is not x:
                 ag.release(w)
-        hooked = self.hooks.post_forward(ag, name, params, out)
-        if hooked is not out:
-            ag.release(out)
-        return hooked
+        many = isinstance(out, tuple)
+        first = out[hooked] if many else out
+        hooked_t = self.hooks.post_forward(ag, name, params, first)
+        if hooked_t is not first:
+            ag.release(first)
+        return (*out[:hooked], hooked_t, *out[hooked + 1:]) if many else hooked_t
 
     def linear(self, x: Tensor, name: str, out_features: int, bias: bool = False) -> Tensor:
         """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]."""
@@ -106,19 +111,21 @@ class Net:
         w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
         return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t), x,
-                           params=(w, b_t) if b_t is not None else (w,))
+                           params=(w, b_t))
 
     def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
         """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""
         s, p = self.s, self.p
-        return self.module(name, lambda z: B.linear(self.ag, z, p[f"{name}.weight"], s.b * s.tokens * out_features,
-                                                    name, p[f"{name}.bias"], transposed=False), x)
+        w, b_t = p[f"{name}.weight"], p[f"{name}.bias"]
+        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t,
+                                                    transposed=False), x, params=(w, b_t))
 
     def layernorm(self, x: Tensor, name: str) -> Tensor:
         """nn.LayerNorm ``name`` (weight and bias) over the hidden size of x [T, h]."""
         from .blocks_gpt import layernorm
-        return self.module(name, lambda z: layernorm(self.ag, z, self.p[f"{name}.weight"], self.p[f"{name}.bias"],
-                                                     self.s.tokens, self.s.b, name, self.device), x)
+        w, b_t = self.p[f"{name}.weight"], self.p[f"{name}.bias"]
+        return self.module(name, lambda z: layernorm(self.ag, z, w, b_t, self.s.tokens, self.s.b, name, self.device),
+                           x, params=(w, b_t))
 
     def rmsnorm(self, x: Tensor, name: str) -> Tensor:
         """The family's RMSNorm module ``name`` on x."""

@@ -118,10 +118,11 @@ def forward(net: Net) -> Output:
     """GPT2LMHeadModel.forward(input_ids, labels): GPT2Model (wte + wpe(position_ids), the mask, drop,
     each block, ln_f), lm_head, ForCausalLMLoss."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
-    emb = net.module("transformer.wte", lambda: embedding(ag, m, s, p["transformer.wte.weight"], name="wte"))
+    wte, wpe = p["transformer.wte.weight"], p["transformer.wpe.weight"]
+    emb = net.module("transformer.wte", lambda: embedding(ag, m, s, wte, name="wte"), params=(wte,))
     pos = position_ids(ag, s)
-    pe = net.module("transformer.wpe", lambda: embedding(ag, m, s, p["transformer.wpe.weight"],
-                                                         rows=s.pos_batch * s.seq, name="wpe", indices=pos))
+    pe = net.module("transformer.wpe", lambda: embedding(ag, m, s, wpe, rows=s.pos_batch * s.seq, name="wpe",
+                                                         indices=pos), params=(wpe,))
     hidden = G.add_broadcast(ag, emb, pe, "transformer.embeddings")
     packed_sequence_check(ag, s)
     mask = causal_mask(net)

@@ -50,9 +50,7 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
         if m.qk_norm and which != "v":  # Qwen3: q_norm(q_proj(x).view(hidden_shape)).transpose(1, 2)
             zv = B.heads_view(ag, z, copy_grad=copy)  # the norm's grad keeps the transposed layout
             ag.release(z)
-            z = net.module(f"{pre}.{which}_norm",
-                           lambda t, w=which: B.rmsnorm(ag, t, net.p[f"{pre}.{w}_norm.weight"], net.s.b,
-                                                        f"{pre}.{w}_norm"), zv)
+            z = net.rmsnorm(zv, f"{pre}.{which}_norm")
             ag.release(zv)
             copy = False  # .transpose(1, 2) of the norm's output: its backward is a view
         proj.append(B.heads_view(ag, z, copy_grad=copy))

@@ -15,13 +15,19 @@ INT64, INT32 = M.INT64, M.INT32
 
 
 def router(net: Net, x: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-    """MixtralTopKRouter.forward on x [T, h]: logits = linear (the training dtype [T, E]), softmax of
-    logits.float() (the copy dies once softmax has run), topk, values /= values.sum(-1, keepdim).
-    Returns (router_logits, top_k_weights, top_k_index)."""
+    """MixtralTopKRouter.forward on x [T, h] (a module with its weight: ZeRO-3's hooks around all of it):
+    logits = F.linear (the training dtype [T, E]), softmax of logits.float() (the copy dies once softmax has
+    run), topk, values /= values.sum(-1, keepdim). Returns (router_logits, top_k_weights, top_k_index); the
+    weights are what gradients reach."""
+    w = net.p[f"model.layers.{i}.mlp.gate.weight"]
+    return net.module(f"model.layers.{i}.mlp.gate", lambda z: _router(net, z, w, i), x, params=(w,), hooked=1)
+
+
+def _router(net: Net, x: Tensor, w: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
     ag, m, s = net.ag, net.m, net.s
     pre, t, e, k = f"model.layers.{i}.mlp.gate", s.tokens, m.num_experts, m.num_experts_per_tok
     xr = ag.view(x)  # hidden_states.reshape(-1, hidden_dim): a view node of its own
-    logits = net.module(pre, lambda z: B.linear(ag, z, net.p[f"{pre}.weight"], s.b * t * e, pre), xr)
+    logits = B.linear(ag, xr, w, s.b * t * e, pre)
     ag.release(xr)
     f32 = B.to_dtype(ag, logits, B.FP32 * t * e, f"{pre}.logits_fp32")
     probs = ag.op(f"{pre}.softmax", B.FP32 * t * e, (f32,), ("out",),
@@ -104,7 +110,10 @@ def moe(net: Net, x: Tensor, i: int) -> Tensor:
     ag = net.ag
     flat = ag.view(x)
     logits, weights, index = router(net, flat, i)
-    out = net.module(f"model.layers.{i}.mlp.experts", lambda z: experts(net, z, weights, index, i), flat)
+    pre = f"model.layers.{i}.mlp.experts"
+    # self.experts(hidden_states, top_k_index, top_k_weights): both float inputs carry its backward hook
+    out = net.module(pre, lambda z, w: experts(net, z, w, index, i), flat, weights,
+                     params=(net.p[f"{pre}.gate_up_proj"], net.p[f"{pre}.down_proj"]))
     ag.release(flat)
     for z in (logits, weights, index):
         ag.release(z)
