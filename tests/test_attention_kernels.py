@@ -36,6 +36,12 @@ def _config(name: str, **over) -> dict:
     return {**model_check.TINY[name], **over}
 
 
+@pytest.fixture
+def no_cudnn(monkeypatch):
+    """The dispatch of torch before cuDNN attention went first (or a GPU other than sm90 / sm100)."""
+    monkeypatch.setattr(A, "CUDNN_FIRST", False)
+
+
 class _Net:
     """What sdpa_kernel reads of a Net."""
 
@@ -53,9 +59,47 @@ class _Net:
     (4, 18, False, False, "math"),  # fp32 needs head_dim % 4
     (2, 320, False, False, "efficient"),  # flash takes head_dim <= 256
 ])
-def test_cuda_sdpa_kernel_follows_sdp_utils(b, head_dim, mask, gqa, expected):
+def test_cuda_sdpa_kernel_follows_sdp_utils(no_cudnn, b, head_dim, mask, gqa, expected):
     g = A.Geometry(2, 64, 8, 2 if gqa else 8, head_dim, b)
     assert A.sdpa_kernel(_Net(), g, mask, 0.0, gqa) == expected
+
+
+@pytest.mark.parametrize(("b", "head_dim", "mask", "dropout", "expected"), [
+    (2, 64, False, 0.0, "cudnn"),  # 16-bit, head_dim a multiple of 8 up to 128
+    (2, 128, True, 0.0, "cudnn"),  # cuDNN takes a mask
+    (2, 64, False, 0.125, "cudnn"),  # dropout 2/16
+    (2, 64, False, 0.1, "flash"),  # dropout not in steps of 1/16: the next in line
+    (2, 256, False, 0.0, "flash"),  # head_dim over cuDNN 9.19's 128
+    (2, 20, False, 0.0, "flash"),  # head_dim not a multiple of 8
+    (2, 20, True, 0.0, "math"),
+    (4, 64, False, 0.0, "efficient"),  # fp32: no cuDNN
+])
+def test_cuda_sdpa_kernel_tries_cudnn_first(b, head_dim, mask, dropout, expected):
+    g = A.Geometry(2, 64, 8, 8, head_dim, b)
+    assert A.CUDNN_FIRST
+    assert A.sdpa_kernel(_Net(), g, mask, dropout, False) == expected
+    assert A.select_kernel("cuda", "sdpa", None, g, mask, dropout, False) == expected
+
+
+def test_dispatch_repeats_kv_unless_sdpa_takes_grouped_heads():
+    g = A.Geometry(2, 64, 8, 2, 64, B2)
+    kernel, seen, gqa = A.dispatch("cuda", "sdpa", None, g, False, 0.0)
+    assert (kernel, seen, gqa) == ("cudnn", g, True)  # use_gqa_in_sdpa: no mask, head_dim <= 256
+    kernel, seen, gqa = A.dispatch("cuda", "sdpa", None, g, True, 0.0)
+    assert (kernel, seen.kv_heads, gqa) == ("cudnn", 8, False)  # a mask: repeat_kv to the query heads
+    assert A.dispatch("cpu", "sdpa", None, g, True, 0.0)[0] == "cpu_flash"
+
+
+def test_legacy_terms_ask_the_same_rule():
+    from memplan.estimator.activations import sdpa_backend
+
+    m = model_from_config(_config("llama_gqa"), "tiny", "tiny test config")
+    g = A.Geometry(1, 2, m.num_heads, m.num_kv_heads, m.head_dim, B2)
+    assert sdpa_backend(m, B2, "sdpa") == A.dispatch("cuda", "sdpa", None, g, False, m.attention_dropout)[0]
+    assert sdpa_backend(m, F32, "sdpa") == "math"  # fp32 grouped-query heads: efficient refuses them
+    assert sdpa_backend(m, B2, "eager") == "eager"
+    masked = model_from_config(_config("mistral"), "tiny", "tiny test config")
+    assert sdpa_backend(masked, B2, "sdpa") == "masked"
 
 
 def test_cpu_and_forced_sdpa_kernels():
@@ -66,7 +110,28 @@ def test_cpu_and_forced_sdpa_kernels():
     assert A.sdpa_kernel(_Net(backend="math"), g, False, 0.0, False) == "math"
 
 
-def test_cuda_flash_forward_and_backward_sizes():
+def test_cuda_cudnn_forward_and_backward_sizes():
+    batch, seq = 2, 160
+    cfg = _config("llama_gqa")  # 4 heads of 16, 2 key/value heads: enable_gqa, k and v keep their heads
+    ledger, _ = model_check.micro_step(cfg, batch, seq, "bf16", "sdpa", "cuda")
+    nh, kv, d = 4, 2, 16
+    pre = "layers.0.self_attn.attn.cudnn"
+    assert _sizes(ledger, f"{pre}.philox_seed") == [8]
+    assert _sizes(ledger, f"{pre}.philox_offset") == [8]
+    assert _sizes(ledger, f"{pre}.out") == [B2 * batch * seq * nh * d]
+    assert _sizes(ledger, f"{pre}.logsumexp") == [F32 * batch * nh * seq]
+    rows = F32 * batch * nh * seq
+    # forward's workspace, then backward's: two fp32 [B, nh, S, d], one fp32 row, 256 bytes
+    assert _sizes(ledger, f"{pre}.workspace.tmp") == [256, 2 * rows * d + rows + 256]
+    assert _sizes(ledger, f"{pre}.grad_out_copy.tmp") == [B2 * batch * seq * nh * d]
+    assert _sizes(ledger, f"grad.model.{pre}.k") == [B2 * batch * seq * kv * d]
+    assert _sizes(ledger, f"grad.model.{pre}.q") == [B2 * batch * seq * nh * d]
+    assert _sizes(ledger, "layers.0.self_attn.attn.k_repeated") == []
+    # the grads come back in the inputs' [B, S, nh, d] memory: the heads views' backward copies nothing
+    assert A.grad_copies(_Net(), A.Geometry(batch, seq, nh, kv, d, B2), False, 0.0) == (False, False, False)
+
+
+def test_cuda_flash_forward_and_backward_sizes(no_cudnn):
     batch, seq = 2, 160
     cfg = _config("llama_gqa")  # 4 heads of 16, 2 key/value heads
     ledger, _ = model_check.micro_step(cfg, batch, seq, "bf16", "sdpa", "cuda")
@@ -95,7 +160,7 @@ def test_cuda_flash_pads_head_dim_to_eight():
     assert _sizes(ledger, f"grad.model.{pre}.q_unpadded") == [B2 * batch * nh * seq * 20]
 
 
-def test_cuda_efficient_pads_logsumexp_and_mask():
+def test_cuda_efficient_pads_logsumexp_and_mask(no_cudnn):
     batch, seq = 2, 40  # not a multiple of 16 or 32
     cfg = _config("mistral", num_key_value_heads=4)  # sliding window 16 <= seq: a mask; MHA
     ledger, _ = model_check.micro_step(cfg, batch, seq, "bf16", "sdpa", "cuda")

@@ -36,7 +36,7 @@ def run(dtype, head_dim, gqa, mask, dropout, batch=2, seq=128, heads=8):
     k = torch.randn(batch, kv, seq, head_dim, device=device, dtype=t, requires_grad=True)
     v = torch.randn(batch, kv, seq, head_dim, device=device, dtype=t, requires_grad=True)
     attn_mask = torch.ones(batch, 1, seq, seq, device=device, dtype=torch.bool).tril() if mask else None
-    enable_gqa = gqa and not mask and head_dim <= A.FLASH_MAX_HEAD_DIM  # transformers' use_gqa_in_sdpa
+    enable_gqa = A.use_gqa(A.Geometry(batch, seq, heads, kv, head_dim, 2), mask)  # transformers' use_gqa_in_sdpa
     if gqa and not enable_gqa:  # else it repeats k and v (repeat_kv)
         k, v = (x.repeat_interleave(heads // kv, 1) for x in (k, v))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -50,8 +50,8 @@ def run(dtype, head_dim, gqa, mask, dropout, batch=2, seq=128, heads=8):
 
 bad = 0
 print("torch", torch.__version__, "device", device, "cudnn", torch.backends.cudnn.version())
-for dtype, head_dim, gqa, mask, dropout in itertools.product(("bf16", "fp16", "fp32"), (20, 64, 128, 320),
-                                                            (False, True), (False, True), (0.0, 0.1)):
+for dtype, head_dim, gqa, mask, dropout in itertools.product(("bf16", "fp16", "fp32"), (20, 64, 128, 256, 320),
+                                                            (False, True), (False, True), (0.0, 0.1, 0.125)):
     real, model = run(dtype, head_dim, gqa, mask, dropout)
     bad += real != model
     print(f"{'  ' if real == model else '!!'} {dtype} d={head_dim:<3} gqa={gqa!s:5} mask={mask!s:5} p={dropout}: "

@@ -36,7 +36,7 @@ def ledger_supported(job: Job) -> bool:
             and (z.offload_optimizer == "none" or z.stage in (1, 2))
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
-            and t.dtype in ("bf16", "fp16") and sdpa_backend(m, 2, t.attention) == "flash" and t.attention != "eager"
+            and t.dtype in ("bf16", "fp16") and sdpa_backend(m, 2, t.attention) in ("cudnn", "flash") and t.attention != "eager"
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
             and not (z.stage == 1 and t.grad_accum_dtype == "fp32") and t.model_impl == "transformers")
 

@@ -28,6 +28,15 @@ FLASH_HEAD_ALIGN = 8
 FLASH_SEQ_ROUND, FLASH_HEAD_ROUND = 128, 32
 #: largest head_dim flash takes (sdp_utils.cpp check_head_dim_size_flash)
 FLASH_MAX_HEAD_DIM = 256
+#: torch 2.11 on the measuring machine (H200 = sm90, the cu130 wheel bundling cuDNN 9.19) tries cuDNN attention
+#: first: sdp_utils.cpp check_prefer_cudnn_attention puts cudnn_attention ahead of flash for cuDNN > 9.15.0 on
+#: sm90 / sm100. The committed H200 traces agree: their sdpa backward allocates one cuDNN workspace per layer and
+#: none of FlashAttention-2's dk_expanded / dq_accum buffers (benchmarks/accuracy/traces/trace-llama1b-*)
+CUDNN_FIRST = True
+#: cuDNN 9.19's head_dim limit (check_cudnn_tensor_shapes: 256 needs cuDNN > 9.22), a multiple of 8
+CUDNN_MAX_HEAD_DIM, CUDNN_HEAD_ALIGN = 128, 8
+#: cuDNN's dropout resolution: p must be a multiple of 1/16 (check_cudnn_dropout)
+CUDNN_DROPOUT_STEPS = 16
 #: the memory-efficient kernel's logsumexp rows are padded to this (attention.cu kAlignLSE)
 EFFICIENT_LSE_ALIGN = 32
 #: an attention mask's last dim is padded to this for the memory-efficient kernel (attention.cpp preprocess_mask)
@@ -55,27 +64,61 @@ class Geometry:
 
 
 def sdpa_kernel(net, g: Geometry, has_mask: bool, dropout: float, enable_gqa: bool) -> str:
-    """The kernel F.scaled_dot_product_attention runs: "flash", "efficient", "math" (CUDA) or "cpu_flash".
+    """The kernel F.scaled_dot_product_attention runs for this call under ``net`` (see ``select_kernel``)."""
+    return select_kernel(net.device, net.attention, net.sdpa_backend, g, has_mask, dropout, enable_gqa)
 
-    ``net.sdpa_backend`` forces one (torch.nn.attention.sdpa_kernel); ``net.attention == "flash"`` restricts
-    sdpa to flash (memplan.verify.hfbuild). On the CPU
-    (select_sdp_backend_cpp): flash unless dropout > 0 (check_for_dropout), else math. On CUDA
-    (select_sdp_backend, priority flash > efficient > math): flash takes no mask (check_for_attn_mask),
-    16-bit dtypes only (check_dtypes_flash_attention), head_dim <= 256 (padded to a multiple of 8); the
-    memory-efficient kernel needs head_dim a multiple of 8 (16-bit) or 4 (fp32) (minimum_gemm_alignment on
-    sm80+) and, in its backward, as many key/value heads as query heads (_efficient_attention_backward
-    checks query.size(2) == key.size(2)); math takes anything."""
-    if net.sdpa_backend:
-        return net.sdpa_backend
-    if net.attention == "flash":
+
+def select_kernel(device: str, attention: str, forced: str | None, g: Geometry, has_mask: bool, dropout: float,
+                  enable_gqa: bool) -> str:
+    """The kernel F.scaled_dot_product_attention runs: "cudnn", "flash", "efficient", "math" (CUDA) or
+    "cpu_flash"; the one rule (activations.sdpa_backend and the specs' checks ask it too).
+
+    ``forced`` (torch.nn.attention.sdpa_kernel) wins; ``attention == "flash"`` restricts sdpa to flash
+    (memplan.verify.hfbuild). On the CPU (select_sdp_backend_cpp): flash unless dropout > 0
+    (check_for_dropout), else math. On CUDA (select_sdp_backend, torch 2.11's order on the H200: cuDNN, flash,
+    efficient, math — CUDNN_FIRST): cuDNN takes 16-bit dtypes (check_dtypes_low_precision), head_dim a multiple
+    of 8 up to 128 (check_cudnn_tensor_shapes), dropout in steps of 1/16 (check_cudnn_dropout), masks and
+    grouped-query heads; flash takes no mask (check_for_attn_mask), 16-bit dtypes only
+    (check_dtypes_flash_attention), head_dim <= 256 (padded to a multiple of 8, attention.cpp pad_last_dim); the
+    memory-efficient kernel needs head_dim a multiple of 8 (16-bit) or 4 (fp32) (minimum_gemm_alignment on sm80+)
+    and, in its backward, as many key/value heads as query heads (_efficient_attention_backward checks
+    query.size(2) == key.size(2)); math takes anything."""
+    if forced:
+        return forced
+    if attention == "flash":
         return "flash"
-    if net.device == "cpu":
+    if device == "cpu":
         return "math" if dropout > 0 else "cpu_flash"
+    if CUDNN_FIRST and cudnn_takes(g, dropout):
+        return "cudnn"
     if not has_mask and g.b == 2 and g.head_dim <= FLASH_MAX_HEAD_DIM:
         return "flash"
     if g.head_dim % (8 if g.b == 2 else 4) == 0 and not enable_gqa:
         return "efficient"
     return "math"
+
+
+def cudnn_takes(g: Geometry, dropout: float) -> bool:
+    """can_use_cudnn_attention for a dense training call (see select_kernel)."""
+    steps = dropout * CUDNN_DROPOUT_STEPS
+    return (g.b == 2 and g.head_dim % CUDNN_HEAD_ALIGN == 0 and g.head_dim <= CUDNN_MAX_HEAD_DIM
+            and steps == int(steps) and g.seq > 1)
+
+
+def use_gqa(g: Geometry, has_mask: bool) -> bool:
+    """transformers' use_gqa_in_sdpa: grouped-query heads go to sdpa as they are (enable_gqa) when there is
+    no mask and head_dim <= 256; else repeat_kv copies k and v to the query heads first."""
+    return g.heads != g.kv_heads and not has_mask and g.head_dim <= FLASH_MAX_HEAD_DIM
+
+
+def dispatch(device: str, attention: str, forced: str | None, g: Geometry, has_mask: bool, dropout: float
+             ) -> tuple[str, Geometry, bool]:
+    """(kernel, the geometry sdpa sees, enable_gqa) for transformers' sdpa_attention_forward on ``g``: with
+    grouped-query heads and no use_gqa_in_sdpa, k and v arrive repeated to the query heads."""
+    gqa = use_gqa(g, has_mask)
+    if g.heads != g.kv_heads and not gqa:
+        g = Geometry(g.batch, g.seq, g.heads, g.heads, g.head_dim, g.b)
+    return select_kernel(device, attention, forced, g, has_mask, dropout, gqa), g, gqa
 
 
 def repeat_kv(ag: Autograd, x: Tensor, n_rep: int, name: str) -> Tensor:
@@ -147,21 +190,19 @@ def sdpa_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     (a bool mask converted to the dtype first, attention.cpp convert_boolean_attn_mask, a local of the call;
     then the kernel, ``sdpa_kernel``); transpose(1, 2).contiguous(). ``bshd``: the memory layouts of q, k, v.
     Returns the [B, S, nh, d] output."""
-    ag = net.ag
-    n_rep = g.heads // g.kv_heads
-    gqa = n_rep > 1 and mask is None and g.head_dim <= FLASH_MAX_HEAD_DIM
-    if n_rep > 1 and not gqa:
-        k2 = repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
-        v2 = repeat_kv(ag, v, n_rep, f"{name}.v_repeated")
-        g2 = Geometry(g.batch, g.seq, g.heads, g.heads, g.head_dim, g.b)
-        bshd = (bshd[0], False, False)
-    else:
-        k2, v2, g2 = ag.ref(k), ag.ref(v), g
     from . import blocks_kernels as K
 
-    kernel = sdpa_kernel(net, g2, mask is not None, dropout, gqa)
+    ag = net.ag
+    kernel, g2, _ = dispatch(net.device, net.attention, net.sdpa_backend, g, mask is not None, dropout)
+    if g2 is not g:  # repeat_kv to the query heads
+        n_rep = g.heads // g.kv_heads
+        k2 = repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
+        v2 = repeat_kv(ag, v, n_rep, f"{name}.v_repeated")
+        bshd = (bshd[0], False, False)
+    else:
+        k2, v2 = ag.ref(k), ag.ref(v)
     run = {"flash": K.flash_attention, "cpu_flash": K.cpu_flash_attention, "efficient": K.efficient_attention,
-           "math": K.math_attention}[kernel]
+           "math": K.math_attention, "cudnn": K.cudnn_attention}[kernel]
     # the kernel saves the converted mask, except the math path (composite) and a checkpointed forward
     saved = kernel != "math" and ag.saving
     fmask = _bool_mask_to_float(ag, mask, g2, f"{name}.mask", saved) if kernel != "flash" else None
@@ -177,18 +218,18 @@ def sdpa_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
 
 def grad_copies(net, g: Geometry, mask_given: bool, dropout: float) -> tuple[bool, bool, bool]:
     """Whether the grads this attention hands back for q, k, v make the heads view's backward (the
-    [B, nh, S, d] grad transposed back and viewed as [B, S, nh·d]) copy. Flash and efficient return them in
-    the inputs' [B, S, nh, d] memory: no copy. Eager and math return q's and v's from bmm, contiguous
-    [B, nh, S, d]: a copy; k's comes from the mat2 grad of k^T, [B, nh, d, S] in memory, whose transpose views
-    back: no copy unless k was repeated (repeat_kv / repeat_interleave: contiguous [B, nh, S, d])."""
+    [B, nh, S, d] grad transposed back and viewed as [B, S, nh·d]) copy. Flash, efficient and cuDNN return them
+    in the inputs' [B, S, nh, d] memory (cuDNN: alloc_with_matching_layout): no copy. Eager and math return q's
+    and v's from bmm, contiguous [B, nh, S, d]: a copy; k's comes from the mat2 grad of k^T, [B, nh, d, S] in
+    memory, whose transpose views back: no copy unless k was repeated (repeat_kv / repeat_interleave:
+    contiguous [B, nh, S, d])."""
     n_rep = g.heads // g.kv_heads
     if net.attention == "eager":
         return True, n_rep > 1, True
-    gqa = n_rep > 1 and not mask_given and g.head_dim <= FLASH_MAX_HEAD_DIM
-    if n_rep > 1 and not gqa:
-        g2 = Geometry(g.batch, g.seq, g.heads, g.heads, g.head_dim, g.b)
-        return sdpa_kernel(net, g2, mask_given, dropout, False) == "math", True, True
-    if sdpa_kernel(net, g, mask_given, dropout, gqa) == "math":
+    kernel, g2, _ = dispatch(net.device, net.attention, net.sdpa_backend, g, mask_given, dropout)
+    if g2 is not g:  # k and v repeated first: their grads reach the heads view through repeat_kv's
+        return kernel == "math", True, True
+    if kernel == "math":
         return True, n_rep > 1, True
     return False, False, False
 

@@ -160,6 +160,55 @@ def efficient_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     return out, True
 
 
+#: the cuDNN 9.19 SDPA graphs' workspaces on the H200 (mha_graph->get_workspace_size(), decided by cuDNN's
+#: execution plan, not by torch): the forward's is 256 bytes whatever the shape; the backward's is two fp32
+#: [B, nh, S, d] buffers, one fp32 [B, nh, S] row and 256 bytes. Read off the committed H200 traces
+#: (benchmarks/accuracy/traces/trace-llama1b-*: S 1k-4k, batch 1 and 4, 32 heads of 64); head_dim 128 is not
+#: measured yet (tools/sdpa_kernel_probe.py on the GPU)
+CUDNN_FWD_WORKSPACE_BYTES = CUDNN_BWD_WORKSPACE_EXTRA_BYTES = 256
+
+
+def cudnn_bwd_workspace_bytes(g: Geometry) -> int:
+    """The backward cuDNN graph's workspace (see CUDNN_FWD_WORKSPACE_BYTES)."""
+    rows = FP32 * g.batch * g.heads * g.seq
+    return 2 * rows * g.head_dim + rows + CUDNN_BWD_WORKSPACE_EXTRA_BYTES
+
+
+def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Geometry, *, dropout: float,
+                    name: str, bshd: tuple[bool, bool, bool] = (True, True, True)) -> tuple[Tensor, bool]:
+    """torch's sdpa CUDNN_ATTENTION (aten _scaled_dot_product_cudnn_attention → _cudnn_attention_forward →
+    cudnn/MHA.cpp run_cudnn_SDP_fprop; backward _cudnn_attention_backward → run_cudnn_SDP_bprop). Forward: the
+    philox seed and offset (at::zeros({1}, kLong): 8 bytes each, outputs autograd saves), o in q's memory
+    layout (alloc_with_matching_layout), the fp32 softmax stats [B, nh, S] (logsumexp), then the graph's
+    workspace, freed on return; saves attn_bias (the converted mask), key, query, value, output, logsumexp,
+    philox seed and offset. Backward: a temporary of the output's size, dq, dk, dv in their inputs' layouts
+    (grouped-query k, v keep their heads), the graph's workspace (``cudnn_bwd_workspace_bytes``); the
+    temporaries are freed inside, in the order the H200 traces show."""
+    ag = net.ag
+    suffix = "" if ag.saving else ".tmp"
+
+    def backward(ctx: _Ctx, grad: Tensor, node):
+        tmp = ctx.new(f"{name}.grad_out_copy.tmp", g.bytes())
+        grads = (ctx.new(f"grad.{name}.q", q.nbytes), ctx.new(f"grad.{name}.k", k.nbytes),
+                 ctx.new(f"grad.{name}.v", v.nbytes))
+        work = ctx.new(f"{name}.workspace.tmp", cudnn_bwd_workspace_bytes(g))
+        ctx.free(work)
+        ctx.free(tmp)
+        return grads
+
+    seed = ag.empty(f"{name}.philox_seed{suffix}", 8)
+    offset = ag.empty(f"{name}.philox_offset{suffix}", 8)
+    saved = (mask, k, q, v) if mask is not None else (k, q, v)
+    out = ag.op(f"{name}.out", g.bytes(), (q, k, v), saved, backward)
+    lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
+    ag.release(ag.empty(f"{name}.workspace.tmp", CUDNN_FWD_WORKSPACE_BYTES))
+    for t in (out, lse, seed, offset):
+        ag.keep(out, t)
+    for t in (lse, seed, offset):
+        ag.release(t)
+    return out, bshd[0]
+
+
 #: CUTLASS backward kernels of mem_eff_attention (kernels/cutlassB.h dispatch_cutlassB_{bf16,f16,f32}_sm80,
 #: tried in order; sm90 runs the sm80 ones): (kBlockSizeI, kBlockSizeJ, kMaxK), first with kMaxK >= head_dim
 _CUTLASS_B_16BIT = ((64, 64, 32), (64, 64, 64), (128, 128, 128), (64, 64, 65536))
