@@ -1,7 +1,8 @@
 """The measured matrix: every committed verify row's peak allocated against the estimate.
 
 Rows come from real GPU runs (benchmarks/accuracy/rows*.jsonl, each with its environment and command).
-The bar (issue 2/3): median |error| <= 2 %, worst <= 5 %, over the whole matrix. Rows drawn by
+The bars (the brief): peak allocated median |error| <= 1 %, worst <= 3 %; peak reserved median <= 5 %, worst
+<= 10 %, never more than 3 % under; held on the rows the model may be studied on and, apart, on the check split. Rows drawn by
 memplan.verify.sample carry a split ("fit" / "check", issue 13); the table reports each split and each loop
 apart (`python -m memplan.accuracy --split check` prints the held-out split alone).
 """
@@ -13,31 +14,86 @@ import pytest
 
 from memplan.accuracy import (
     HAND_WRITTEN,
+    LEDGER,
+    PHASES,
     Comparison,
     by_group,
     compare_rows,
+    false_fits,
     iter_rows,
     main,
+    reserved_summary,
     select,
     summary,
     table_lines,
 )
 
 ROWS = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy"
-MEDIAN_BAR, WORST_BAR, MIN_ROWS = 0.02, 0.05, 40
+#: the brief's bars: peak allocated against torch.cuda.max_memory_allocated(), peak reserved against
+#: max_memory_reserved() (never more than 3 % under: a false "fits")
+ALLOC_MEDIAN, ALLOC_WORST = 0.01, 0.03
+RESERVED_MEDIAN, RESERVED_WORST, RESERVED_UNDER = 0.05, 0.10, 0.03
 
 
-def test_measured_matrix_within_bars(capsys):
-    comparisons = compare_rows(iter_rows(ROWS))
-    with capsys.disabled():
-        print("\n" + "\n".join(table_lines(comparisons)))
-    median, worst = summary(comparisons)
-    assert len(comparisons) >= MIN_ROWS, f"only {len(comparisons)} measured points"
-    assert median <= MEDIAN_BAR, f"median |error| {median:.2%} > {MEDIAN_BAR:.0%}"
-    assert worst <= WORST_BAR, f"worst |error| {worst:.2%} > {WORST_BAR:.0%}"
-    # every point is reported under exactly one split and one loop
-    for key in ("split", "loop"):
+@pytest.fixture(scope="module")
+def comparisons():
+    return compare_rows(iter_rows(ROWS))
+
+
+#: the parts the bars are held on: the rows the model may be studied on (hand-written matrices and the sampled
+#: fit split), by the model that predicts them, and the sampled check split it never was
+PARTS = {
+    "tuned-ledger": lambda c: c.split != "check" and c.model == LEDGER,
+    "tuned-phases": lambda c: c.split != "check" and c.model == PHASES,
+    "check": lambda c: c.split == "check",
+}
+MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 20, "check": 20}
+#: (part, bar) → why the bar does not hold on what is committed. Strict: a bar that starts to hold fails here
+#: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
+
+
+def _bar_values(points):
+    median, worst = summary(points)
+    n, rmedian, rworst, under = reserved_summary(points)
+    assert n == len(points), "every measured point records its reserved peak"
+    return {"allocated median": (median, ALLOC_MEDIAN), "allocated worst": (worst, ALLOC_WORST),
+            "reserved median": (rmedian, RESERVED_MEDIAN), "reserved worst": (rworst, RESERVED_WORST),
+            "reserved under": (under, RESERVED_UNDER)}
+
+
+BARS = ("allocated median", "allocated worst", "reserved median", "reserved worst", "reserved under")
+
+
+def _cases():
+    for part in PARTS:
+        for bar in BARS:
+            gap = KNOWN_GAPS.get((part, bar))
+            marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+            yield pytest.param(part, bar, marks=marks, id=f"{part}-{bar.replace(' ', '-')}")
+
+
+@pytest.mark.parametrize(("part", "bar"), list(_cases()))
+def test_measured_matrix_within_bars(part, bar, comparisons):
+    """The brief's bars, one at a time, on each part (see PARTS and KNOWN_GAPS)."""
+    points = [c for c in comparisons if PARTS[part](c)]
+    assert len(points) >= MIN_POINTS[part], f"only {len(points)} measured points"
+    value, limit = _bar_values(points)[bar]
+    assert value <= limit, f"{part}: {bar} |error| {value:.2%} > {limit:.0%}"
+
+
+def test_the_parts_cover_every_point_once(comparisons, capsys):
+    with capsys.disabled():  # the table of the studied rows (the check split's stays out of the log)
+        print("\n" + "\n".join(table_lines([c for c in comparisons if c.split != "check"])))
+    assert all(sum(1 for f in PARTS.values() if f(c)) == 1 for c in comparisons)
+    for key in ("split", "loop", "model"):  # every point is reported under exactly one split, loop and model
         assert sum(n for n, _, _ in by_group(comparisons, key).values()) == len(comparisons)
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_GAPS.get(("check", "false fits"), "no gap"),
+                   condition=("check", "false fits") in KNOWN_GAPS)
+def test_no_measured_oom_is_called_a_fit():
+    assert false_fits(iter_rows(ROWS)) == []
 
 
 def _cmp(name, measured, predicted, split, loop):

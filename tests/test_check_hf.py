@@ -85,8 +85,10 @@ def test_estimate_on_the_trainer_path(capsys, tmp_path):
     assert (job["training"]["micro_batch"], job["training"]["grad_accum"], job["training"]["dtype"]) == (4, 1, "fp32")
     plain = ["estimate", "--model", "qwen2.5-0.5b", "--ds-config", ZERO3, "--gpus", "2", "--seq", "1024",
              "--micro-batch", "4", "--grad-accum", "1", "--json"]
-    assert main(plain) == 0  # without the Trainer "auto" keeps DeepSpeed's default
-    assert json.loads(capsys.readouterr().out)["job"]["training"]["zero"]["reduce_bucket_size"] == 500_000_000
+    # without the Trainer nothing fills "auto": plain deepspeed.initialize refuses the file (exit 2, one line)
+    assert main(plain) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memplan: error: --ds-config") and '"auto"' in err[0]
 
 
 BAD = [

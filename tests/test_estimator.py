@@ -10,6 +10,7 @@ from memplan.estimator import estimate_job, quick_peak
 from memplan.estimator.activations import layer_bytes_per_token
 from memplan.estimator.layout import rank_share
 from memplan.estimator.phases import model_states
+from memplan.estimator.summary import UNSPLIT_PART
 from memplan.hfconfig import model_from_config
 from memplan.presets import load_model
 from memplan.specs import Job, Layout, TrainingSpec, ZeroSpec
@@ -96,6 +97,12 @@ def _job(preset, stage, world, seq, mb, ckpt, oo):
         zero=ZeroSpec(stage=stage, offload_optimizer=oo)), layout=Layout(world=world))
 
 
+def _live_bytes(job) -> int:
+    """The tensors live at the estimate's peak: torch's counter also counts cached blocks handed out whole, which
+    depends on the allocator's history (estimator.summary.UNSPLIT_PART), not on what the job keeps alive."""
+    return sum(p.bytes for p in estimate_job(job).components if p.name != UNSPLIT_PART)
+
+
 @settings(max_examples=60, deadline=None)
 @given(jobs)
 def test_parts_sum_to_the_peak(args):
@@ -111,17 +118,19 @@ def test_parts_sum_to_the_peak(args):
 def test_more_data_parallel_ranks_never_cost_memory(args):
     preset, stage, world, *rest = args
     small, big = _job(preset, stage, world, *rest), _job(preset, stage, world * 2, *rest)
-    # up to the flat buffer's alignment padding, which grows with N (2N elements, stage_1_and_2.py)
+    # up to the flat buffer's alignment padding, which grows with N (2N elements, stage_1_and_2.py). The tensors
+    # live at the peak, not torch's counter: which cached block an allocation reuses whole depends on the
+    # allocator's history (estimator.summary.UNSPLIT_PART), which N changes without changing what is live
     padding = 4 * 2 * (2 * world)
-    assert quick_peak(big).peak_allocated_bytes <= quick_peak(small).peak_allocated_bytes + padding
+    assert _live_bytes(big) <= _live_bytes(small) + padding
 
 
 @settings(max_examples=60, deadline=None)
 @given(jobs)
 def test_checkpointing_never_costs_memory(args):
     preset, stage, world, seq, mb, _, oo = args
-    full = quick_peak(_job(preset, stage, world, seq, mb, "full", oo)).peak_allocated_bytes
-    none = quick_peak(_job(preset, stage, world, seq, mb, "none", oo)).peak_allocated_bytes
+    full = _live_bytes(_job(preset, stage, world, seq, mb, "full", oo))
+    none = _live_bytes(_job(preset, stage, world, seq, mb, "none", oo))
     assert full <= none
 
 

@@ -105,7 +105,8 @@ def test_every_command_refuses_what_deepspeed_refuses(command, cfg, key):
 def test_fp16_auto_is_the_trainers_to_fill_only_on_the_hf_path():
     """fp16.enabled "auto": plain DeepSpeed drops it (fp16 off, so fp32); the Trainer fills it from
     TrainingArguments (--loop hf-trainer): then memplan leaves the dtype to the flags."""
-    cfg = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": "auto"}}
+    # (a zero_optimization section: accelerate's DeepSpeedPlugin requires one on the Trainer path)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": "auto"}, "zero_optimization": {"stage": 0}}
     assert not _deepspeed_refuses(cfg)
     assert ds_settings(cfg).dtype == "fp32"
     assert ds_settings(cfg, hf=True).dtype is None
@@ -113,8 +114,9 @@ def test_fp16_auto_is_the_trainers_to_fill_only_on_the_hf_path():
         (root / "ds.json").write_text(json.dumps(cfg))
         rc, out, err = run_main(line("estimate", root, "--ds-config", str(root / "ds.json")))
         assert rc == 0 and json.loads(out)["job"]["training"]["dtype"] == "fp32", err
+        # (--micro-batch 1: the Trainer's per_device_train_batch_size must match the file's 1, trainer_config_finalize)
         rc, out, err = run_main(line("estimate", root, "--ds-config", str(root / "ds.json"), "--loop", "hf-trainer",
-                                     "--dtype", "bf16"))
+                                     "--dtype", "bf16", "--micro-batch", "1"))
         assert rc == 0 and json.loads(out)["job"]["training"]["dtype"] == "bf16", err
 
 

@@ -24,6 +24,8 @@ from .specs import Job
 #: the split of a row that carries none (the hand-written matrices)
 HAND_WRITTEN = "hand-written"
 SPLITS = ("fit", "check")
+#: the two models of estimator.quick_peak (Comparison.model)
+LEDGER, PHASES = "ledger", "phases"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class Comparison:
     loop: str = "loss"
     measured_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved() (None: not recorded)
     predicted_reserved_bytes: int | None = None
+    #: which model predicted it: LEDGER (the allocation ledger replayed through memplan.allocator) or PHASES
+    #: (the phase lists, for jobs estimator.ledger_supported does not cover yet)
+    model: str = "ledger"
 
     @property
     def error(self) -> float:
@@ -97,7 +102,7 @@ def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, int | None, str
 
 def compare_rows(rows) -> list[Comparison]:
     """Estimate every successfully measured point of ``rows``."""
-    from .estimator import quick_peak
+    from .estimator import ledger_supported, quick_peak
 
     out = []
     for row in rows:
@@ -109,7 +114,25 @@ def compare_rows(rows) -> list[Comparison]:
                            skipped=skipped_steps(row))
             out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase,
                                   split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop,
-                                  measured_reserved_bytes=reserved, predicted_reserved_bytes=q.peak_reserved_bytes))
+                                  measured_reserved_bytes=reserved, predicted_reserved_bytes=q.peak_reserved_bytes,
+                                  model=LEDGER if ledger_supported(job) else PHASES))
+    return out
+
+
+def false_fits(rows) -> list[tuple[str, int, int]]:
+    """(name, predicted device total, the card's bytes) of every measured OOM the estimate calls a fit on the
+    card it ran on (``env.gpu_total_bytes``): the worst bug this tool can have."""
+    from .estimator import quick_peak
+
+    out = []
+    for row in rows:
+        card = (row.get("env") or {}).get("gpu_total_bytes")
+        if row.get("status") != "oom" or not card:
+            continue
+        job = job_of_row(row)
+        q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated")
+        if q.device_total_bytes <= card:
+            out.append((row["name"], q.device_total_bytes, card))
     return out
 
 
@@ -149,7 +172,8 @@ def reserved_summary(comparisons: list[Comparison]) -> tuple[int, float, float, 
 
 
 def by_group(comparisons: Iterable[Comparison], key: str) -> dict[str, tuple[int, float, float]]:
-    """{split or loop: (points, median |error|, worst |error|)} of peak allocated; ``key``: "split" or "loop"."""
+    """{split, loop or model: (points, median |error|, worst |error|)} of peak allocated; ``key``: "split",
+    "loop" or "model"."""
     groups: dict[str, list[Comparison]] = {}
     for c in comparisons:
         groups.setdefault(getattr(c, key), []).append(c)
@@ -179,7 +203,7 @@ def table_lines(comparisons: list[Comparison]) -> list[str]:
     n, rmed, rworst, under = reserved_summary(comparisons)
     lines.append(f"{len(comparisons)} points: median |error| {median:.2%}, worst {worst:.2%}; reserved ({n} "
                  f"points): median {rmed:.2%}, worst {rworst:.2%}, most under {under:.2%}")
-    for key in ("split", "loop"):
+    for key in ("split", "loop", "model"):
         groups: dict[str, list[Comparison]] = {}
         for c in comparisons:
             groups.setdefault(getattr(c, key), []).append(c)

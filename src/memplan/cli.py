@@ -81,6 +81,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from .outputs import check_folder
 
         check_folder(args.report, "--report")
+    if args.trace is not None:
+        from .outputs import check_file
+
+        check_file(args.trace, "--trace")
     job = job_from_args(args)
     target = _target_bytes(args.target)
     gpu = None
@@ -97,6 +101,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from .report.command import write_estimate_report  # so a failed write prints nothing
 
         write_estimate_report(est, args.report, flag="--report")
+    if args.trace is not None:
+        _write_trace(job, args.trace)
     from . import render
 
     if args.json:
@@ -104,6 +110,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     else:
         render.render_estimate(est)
     return 0
+
+
+def _write_trace(job, path: str) -> None:
+    """estimate --trace FILE: the predicted ledger as Chrome trace-event JSON (written whole or not at all)."""
+    import json
+
+    from .errors import InputError
+    from .estimator import ledger_trace
+    from .outputs import write_files
+
+    trace = ledger_trace(job)
+    if trace is None:
+        raise InputError("--trace", "this job is estimated by the phase lists, not an allocation ledger, so there is "
+                                    "no event trace to write; allowed: jobs the ledger models (see the docs)")
+    write_files({path: json.dumps(trace)}, "--trace")
 
 
 def _target_bytes(text: str | None, flag: str = "--target") -> int | None:
@@ -128,6 +149,8 @@ def _add_estimate(sub) -> None:
     p.add_argument("--calibration", metavar="FILE",
                    help="scale the estimate by a file from `memplan calibrate` (default: the uncalibrated model)")
     p.add_argument("--report", metavar="DIR", help="also write memplan report's Markdown/HTML page and plots to DIR")
+    p.add_argument("--trace", metavar="FILE", help="also write the predicted allocation ledger and its simulated "
+                                                    "reserved memory as Chrome trace-event JSON (Perfetto)")
     p.set_defaults(func=cmd_estimate)
 
 

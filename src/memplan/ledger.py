@@ -127,6 +127,50 @@ class Ledger:
                 del alive[~ev]
         return list(alive)
 
+    def phase_peaks(self, kind: str = PHASE) -> list[tuple[str, int, int, int, int]]:
+        """(label, start, stop, peak allocated bytes, index of the event that reaches it) of every phase, in
+        one pass (the same counting as ``peak``; the index is start − 1 when nothing in the phase exceeds what
+        was live at its start)."""
+        sizes, events = self.sizes, self.events
+        out = []
+        cur = 0
+        pos = 0
+        for label, start, stop in self.phase_spans(kind):
+            for i in range(pos, start):  # events before the first mark
+                ev = events[i]
+                cur += block_bytes(sizes[ev]) if ev >= 0 else -block_bytes(sizes[~ev])
+            best, at = cur, start - 1
+            for i in range(start, stop):
+                ev = events[i]
+                if ev >= 0:
+                    cur += block_bytes(sizes[ev])
+                    if cur > best:
+                        best, at = cur, i
+                else:
+                    cur -= block_bytes(sizes[~ev])
+            out.append((label, start, stop, best, at))
+            pos = stop
+        return out
+
+    def live_sets(self, indices) -> dict[int, list[int]]:
+        """{index: ids alive just after events[index]} for each of ``indices`` (one pass; -1 gives [])."""
+        want = sorted(set(indices))
+        out: dict[int, list[int]] = {i: [] for i in want if i < 0}
+        want = [i for i in want if i >= 0]
+        alive: dict[int, None] = {}
+        k = 0
+        for i, ev in enumerate(self.events):
+            if k == len(want):
+                break
+            if ev >= 0:
+                alive[ev] = None
+            else:
+                del alive[~ev]
+            while k < len(want) and want[k] == i:
+                out[i] = list(alive)
+                k += 1
+        return out
+
     def by_component(self, tids: list[int]) -> dict[str, int]:
         """512-rounded bytes of ``tids`` per component, in first-seen order."""
         out: dict[str, int] = {}

@@ -59,3 +59,6 @@ class SimResult:
     phases: tuple[PhasePeak, ...]
     #: (event index, reserved bytes after it) at every change of reserved; the state before event 0 is 0
     reserved_timeline: tuple[tuple[int, int], ...]
+    #: (phase label, the allocator's state where that phase begins) for the labels asked for (simulate's
+    #: ``signatures``): equal states that see equal events from there on evolve equally (memplan.estimator.fold)
+    signatures: tuple[tuple[str, tuple], ...] = ()

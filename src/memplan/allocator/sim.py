@@ -363,8 +363,21 @@ class _Replay(ExpandableSegments):
 
     # -- expandable segments -------------------------------------------------------------------------------
 
-    def run(self, ledger, per_event: list | None = None) -> SimResult:
+    def signature(self) -> tuple:
+        """The state the rest of a replay depends on: every block (address, size, whether it starts or ends its
+        segment) — the live ones in tensor-id order, so that each live tensor keeps its place when the ids of a
+        repeated span shift — the free lists, reserved and where new segments would go. Expandable segments and
+        garbage collection carry more state; their signature is None (never equal)."""
+        if self.exp or self.gc is not None:
+            return (None, self.i)
+        live = tuple((b.addr, b.size, b.req, b.prev is None, b.next is None) for _, b in sorted(self.live.items()))
+        free = tuple((k, tuple((b.addr, b.size, b.prev is None, b.next is None) for b in fl.blocks))
+                     for k, fl in sorted(self.fls.items()))
+        return live, free, self.reserved, self.next_addr, self.next_large
+
+    def run(self, ledger, per_event: list | None = None, signature_labels: frozenset = frozenset()) -> SimResult:
         marks = sorted(ledger.marks, key=lambda m: m.at)
+        signatures: list[tuple[str, tuple]] = []
         n = len(self.events)
         phases: list[PhasePeak] = []
         label, start = None, 0
@@ -386,6 +399,8 @@ class _Replay(ExpandableSegments):
                     self.i = m.at
                     self.release_cached_blocks()
                 else:
+                    if m.label in signature_labels:
+                        signatures.append((m.label, self.signature()))
                     if label is not None:
                         phases.append(PhasePeak(label, start, m.at, self.p_alloc, self.p_res, self.p_round))
                     label, start = m.label, m.at
@@ -404,14 +419,15 @@ class _Replay(ExpandableSegments):
             segments_at_peak=self.seg_at_peak, segments_end=self.segments,
             num_device_alloc=self.num_device_alloc, num_device_free=self.num_device_free,
             num_alloc_retries=self.retries, oom=oom, events_replayed=pos, phases=tuple(phases),
-            reserved_timeline=tuple(self.timeline))
+            reserved_timeline=tuple(self.timeline), signatures=tuple(signatures))
 
 
 def _as_config(config: AllocatorConfig | None) -> AllocatorConfig:
     return AllocatorConfig() if config is None else config
 
 
-def simulate(ledger, config: AllocatorConfig | None = None, *, segment_addresses=None) -> SimResult:
+def simulate(ledger, config: AllocatorConfig | None = None, *, segment_addresses=None,
+             signatures=()) -> SimResult:
     """Replay ``ledger`` (a memplan.ledger.Ledger) through the caching allocator; see SimResult.
 
     Events are ``ledger.events`` (tensor id to allocate, ``~id`` to free) with ``ledger.sizes`` and
@@ -422,8 +438,10 @@ def simulate(ledger, config: AllocatorConfig | None = None, *, segment_addresses
     ``segment_addresses``: the addresses cudaMalloc returned, in order, on a real run (trace.segment_addresses):
     successive new segments take them, so ties between equal-sized cached blocks (BlockComparatorSize orders
     them by address) break as they did on the GPU. Without them, each segment takes the next address up.
+
+    ``signatures``: phase labels at whose start the allocator's state is recorded (SimResult.signatures).
     """
-    return _Replay(ledger, _as_config(config), segment_addresses).run(ledger)
+    return _Replay(ledger, _as_config(config), segment_addresses).run(ledger, signature_labels=frozenset(signatures))
 
 
 def replay_series(ledger, config: AllocatorConfig | None = None, *,

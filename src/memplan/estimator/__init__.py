@@ -31,21 +31,73 @@ def ledger_supported(job: Job) -> bool:
     from .activations import sdpa_backend
     from .families import FORWARD
 
-    t, z, lay, m = job.training, job.training.zero, job.layout, job.model
-    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1 and z.offload_param == "none"
-            and (z.offload_optimizer == "none" or z.stage in (1, 2))
+    t, lay, m = job.training, job.layout, job.model
+    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
             and t.dtype in ("bf16", "fp16") and sdpa_backend(m, 2, t.attention) in ("cudnn", "flash") and t.attention != "eager"
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
-            and not (z.stage == 1 and t.grad_accum_dtype == "fp32") and t.model_impl == "transformers")
+            and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers")
+
+
+def _unmodelled_fp32_accumulation(job: Job) -> bool:
+    """fp32 gradient accumulation the ledger does not model yet: ZeRO-1 other than BF16_Optimizer (fp16, or
+    offloaded: DeepSpeedZeroOptimizer's grad_accum attribute) and ZeRO-2 offloaded (its fp32 compact partition
+    buffer); BF16_Optimizer (bf16, ZeRO-1, no offload) and ZeRO-2 on the GPU are modelled."""
+    t, z = job.training, job.training.zero
+    if t.grad_accum_dtype != "fp32" or t.dtype == "fp32":
+        return False
+    offload = z.offload_optimizer != "none"
+    return (z.stage == 1 and (t.dtype != "bf16" or offload)) or (z.stage == 2 and offload)
+
+
+def ledger_steps(skipped=()) -> int:
+    """Optimizer steps the ledger runs: verify measures 3; with none skipped the third repeats the second
+    allocation for allocation (the first creates the optimizer states and, under ZeRO-3, records the trace the
+    second prefetches by), so 2 give the same reserved peak at two thirds of the cost, and the same allocated
+    peak up to which cached large blocks come back unsplit (< 0.1 %, tests/test_ledger_program.py)."""
+    return 3 if tuple(skipped) else 2
+
+
+def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int | None = None):
+    """The job's ledger replayed and summarized (estimator.summary.LedgerSummary): built with its gradient
+    accumulation folded where that is exact (estimator/fold.py), whole otherwise."""
+    from .fold import folded
+    from .program import build_ledger
+    from .summary import allocator_config, summarize
+
+    steps = ledger_steps(skipped)
+    config = allocator_config(job, card_bytes)
+    short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, tuple(skipped), config)
+    if short is None:
+        return summarize(job, build_ledger(job, steps=steps, skipped=skipped), card_bytes, timeline)
+    return summarize(job, short[0], card_bytes, timeline, sim=short[1])
+
+
+def ledger_trace(job: Job) -> dict | None:
+    """The job's predicted ledger and its replay as Chrome trace-event JSON (memplan.allocator.chrome: counter
+    tracks for allocated and reserved, one slice per tensor), or None when the ledger does not model the job.
+    With gradient accumulation folded (estimator/fold.py) the trace shows the micro-steps actually built."""
+    if not ledger_supported(job):
+        return None
+    from ..allocator import simulate
+    from ..allocator.chrome import chrome_trace
+    from .fold import folded
+    from .program import build_ledger
+    from .summary import allocator_config
+
+    steps, config = ledger_steps(), allocator_config(job)
+    short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, (), config)
+    L, sim = short if short is not None else (build_ledger(job, steps=steps), None)
+    trace = chrome_trace(L, sim or simulate(L, config))
+    built = sum(1 for m in L.marks if m.label.startswith("step0.") and m.label.endswith(".forward"))
+    trace["otherData"].update(job=job.model.name, micro_steps_built=built,
+                              micro_steps=job.training.grad_accum, optimizer_steps=steps)
+    return trace
 
 
 def _ledger_quick(job: Job, skipped) -> QuickPeak:
-    from .program import build_ledger
-    from .summary import summarize
-
-    s = summarize(job, build_ledger(job, skipped=skipped), timeline=False)
+    s = ledger_summary(job, skipped, timeline=False)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return QuickPeak(s.peak_allocated_bytes, s.peak_reserved_bytes, s.peak_reserved_bytes + non_torch_bytes(job),
@@ -63,6 +115,13 @@ def quick_peak(job: Job, rank0: bool = False, stepped: bool = True, skipped=None
     return _summary(job, build_phases(job, rank0, stepped))
 
 
+def screen_peak(job: Job) -> QuickPeak:
+    """The phase-list model alone (estimator/phases.py: closed forms per phase, microseconds a job): what
+    `plan` screens its thousands of candidates with before quick_peak confirms the ones it shows
+    (memplan.plan.confirm). Not the estimate: for the jobs the ledger models, quick_peak is."""
+    return _summary(job, build_phases(job))
+
+
 def _summary(job: Job, phases) -> QuickPeak:
     """The headline numbers of already built phases."""
     name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
@@ -77,6 +136,10 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     """What in this job's figure rests on no measurement in benchmarks/accuracy/ (said in the output)."""
     t, z, lay = job.training, job.training.zero, job.layout
     notes = []
+    if not ledger_supported(job):
+        notes.append("this job is outside the allocation ledger (phase model): the caching allocator is not "
+                     "simulated, so reserved memory is likely under what torch will reserve; a fit near the card's "
+                     "size is unproven (benchmarks/accuracy: python -m memplan.accuracy)")
     if t.model_impl == "megatron":  # Megatron's GPT: its own notes (memplan.megatron.notes)
         from ..megatron import measurement_notes as megatron_notes
 
@@ -107,10 +170,7 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
 
 
 def _ledger_estimate(job: Job) -> Estimate:
-    from .program import build_ledger
-    from .summary import summarize
-
-    s = summarize(job, build_ledger(job))
+    s = ledger_summary(job)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return Estimate(

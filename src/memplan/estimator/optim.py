@@ -11,6 +11,11 @@ temporaries each implementation makes while it runs. ``n`` is the number of fp32
 - sgd → torch.optim.SGD with momentum: momentum_buffer = clone(grad) at the first step; nothing per step.
 - lion → DeepSpeed's FusedLion: exp_avg only.
 - cpu_adam → DeepSpeedCPUAdam: states on the host, nothing on the GPU.
+
+Offloaded (``on_gpu`` False), the engine runs DeepSpeedCPUAdam (DeepSpeedCPULion for lion) on the host: its
+step creates exp_avg and exp_avg_sq (exp_avg only for Lion) with ``torch.zeros_like(p.data, dtype=fp32,
+device="cpu")`` at the first step (ops/adam/cpu_adam.py DeepSpeedCPUAdam.step), pageable host memory, recorded
+in ``host`` (estimator/places.py) when one is given.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ledger import Ledger
+from .places import Places
 
 FP32 = 4
 
@@ -31,6 +37,10 @@ KINDS = {
     "cpu_adam": ((), 0),
 }
 
+#: the host optimizer's states when offloaded (DeepSpeedCPUAdam; DeepSpeedCPULion for lion)
+HOST_STATES = {"lion": ("exp_avg",)}
+CPU_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
 
 @dataclass
 class Optimizer:
@@ -38,6 +48,7 @@ class Optimizer:
 
     kind: str
     on_gpu: bool = True
+    host: Places | None = None
 
     def __post_init__(self) -> None:
         self.states: dict[int, list[int]] = {}
@@ -49,6 +60,9 @@ class Optimizer:
         """optimizer.step() over ``n`` fp32 elements of group ``group``."""
         names, temporaries = KINDS[self.kind]
         if not self.on_gpu:
+            if self.host is not None and group not in self.states:
+                self.states[group] = [self.host.host_alloc(f"cpu_optimizer.{s}", FP32 * n, "optimizer_states")
+                                      for s in HOST_STATES.get(self.kind, CPU_ADAM_STATES)]
             return
         if group not in self.states:
             self.states[group] = [L.alloc(f"optimizer.{s}", FP32 * n, "optimizer_states") for s in names]

@@ -6,13 +6,15 @@ stage's engine model: zero0.py, zero12.py, zero3.py), then ``steps`` optimizer s
 micro-steps, each a forward (families/), ``engine.backward`` and ``engine.step``. Phase marks carry verify's
 names ("init", "step1.micro0.forward", …), so measured and predicted phases line up.
 
-The loop (TrainingSpec.loop) decides what the Python code keeps: ``outputs`` keeps the model output object —
-its logits — from one forward until the next forward returns and rebinds the name; ``loss`` and ``hf-trainer``
-(Trainer.training_step / compute_loss return the loss only) keep the loss until backward.
+The loop (TrainingSpec.loop: memplan.verify's DeepSpeed loop keeping ``outputs`` or the ``loss``, or
+transformers' Trainer) is estimator/loop.py: its inputs, scalars, what its Python code keeps, and which phases
+it has.
 
-cuBLAS: the first matmul on a stream creates its handle's workspaces from torch's caching allocator
-(aten/src/ATen/cuda/CublasHandlePool.cpp getCurrentCUDABlasHandle / getCUDABlasLtWorkspace: 32 MiB each on
-Hopper), kept for the process's life.
+cuBLAS: a thread's first matmul creates its handle's workspace from torch's caching allocator
+(aten/src/ATen/cuda/CublasHandlePool.cpp getCurrentCUDABlasHandle: handles are per thread; 32 MiB on Hopper),
+kept for the process's life: one at the first forward matmul, one at the first backward matmul (the autograd
+engine's device thread; modelled at the first parameter gradient, which that matmul produces). The measured rows
+show it: 32 MiB more before the first layer's forward than the model allocates, 32 MiB more by step 0's end.
 """
 
 from __future__ import annotations
@@ -21,15 +23,17 @@ from ..ledger import Ledger
 from ..specs import Job
 from ..units import MiB, dtype_bytes
 from .autograd import Autograd
-from .families import forward
+from .bf16opt import BF16Optimizer
+from .families import forward as forward_of
 from .optim import Optimizer
+from .places import Places
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
 from .zero3 import Zero3
 from .zero12 import FlatGroup, Zero12
 
-#: cuBLAS and cuBLASLt workspaces (CublasHandlePool.cpp: 32 MiB each on sm90), at the first matmul
-CUBLAS_WORKSPACE_BYTES = (32 * MiB, 32 * MiB)
+#: a cuBLAS handle's workspace (CublasHandlePool.cpp getChosenWorkspaceSize: 32 MiB on sm90)
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 
 def _trainable(job: Job):
@@ -55,16 +59,26 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
     return ids
 
 
-def _engine(L: Ledger, job: Job, trainable):
+def bf16_optimizer(job: Job) -> bool:
+    """engine.py _do_optimizer_sanity_check picks BF16_Optimizer: bf16, ZeRO stage 1, fp32 gradient accumulation,
+    no optimizer offload (pipeline parallelism at stage 0 too, outside the ledger)."""
+    t, z = job.training, job.training.zero
+    return (t.dtype == "bf16" and z.stage == 1 and t.grad_accum_dtype == "fp32"
+            and z.offload_optimizer == "none")
+
+
+def _engine(L: Ledger, job: Job, trainable, places: Places):
     from ..params import parameter_tensors
 
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
     names = [p.name for p in parameter_tensors(job.model) if trainable(p.name)]
     numels = [p.numel for p in parameter_tensors(job.model) if trainable(p.name)]
-    opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none")
+    opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
+    if bf16_optimizer(job):
+        return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype), b, lay.zero_group, opt)
     if z.stage in (1, 2):
         group = FlatGroup(names, numels, lay.zero_group, 0)
         comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
@@ -74,7 +88,8 @@ def _engine(L: Ledger, job: Job, trainable):
     comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
     all_names = [p.name for p in parameter_tensors(job.model)]
     all_numels = [p.numel for p in parameter_tensors(job.model)]
-    return Zero3(L, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm)
+    return Zero3(places, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm, t.grad_accum,
+                 t.dtype == "fp16")
 
 
 def shape(job: Job) -> Shape:
@@ -82,15 +97,21 @@ def shape(job: Job) -> Shape:
     return Shape(t.micro_batch, t.seq_len // lay.sp, t.seq_len, dtype_bytes(t.dtype), positions_given=lay.sp > 1)
 
 
-def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
+def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = None, cpu_run: bool = False
+                 ) -> Ledger:
     """The job's allocation ledger on rank 0 (see the module docstring). ``skipped``: the optimizer steps
-    (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds)."""
+    (indices) the fp16 loss scaler skips on overflow (no optimizer state exists until one succeeds). ``host``:
+    a ledger that receives the rank's host allocations (estimator/places.py); ``cpu_run``: the allocations of
+    a DS_ACCELERATOR=cpu run instead, host and device in one ledger (the CPU trace comparison)."""
+    from .loop import TrainerLoop, make_loop
+
     skipped = frozenset(skipped)
     t = job.training
     L = Ledger()
     L.mark("init")
     trainable = _trainable(job)
-    engine = _engine(L, job, trainable)
+    places = Places(L, host, cpu_run)
+    engine = _engine(L, job, trainable, places)
     if isinstance(engine, Zero3):
         from ..params import parameter_tensors
 
@@ -98,15 +119,25 @@ def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
         ids = {}
     else:
         ids = build_model(L, job)
-    engine.initialize(ids)
     hooks = engine if isinstance(engine, Zero3) else None
-    ag = Autograd(L, on_param_grad=lambda param, grad: engine.on_param_grad(ag, param, grad))
     workspaces = []
 
-    def first_matmul():
-        workspaces.extend(L.alloc("cublas.workspace", n, "cuda_workspaces") for n in CUBLAS_WORKSPACE_BYTES)
+    def workspace():
+        workspaces.append(L.alloc("cublas.workspace", CUBLAS_WORKSPACE_BYTES, "cuda_workspaces"))
 
-    ag.before_matmul = first_matmul
+    def on_param_grad(param, grad):
+        if len(workspaces) == 1:  # the first grad comes from the first backward matmul, on the engine's thread
+            workspace()
+        engine.on_param_grad(ag, param, grad)
+
+    ag = Autograd(L, on_param_grad=on_param_grad)
+    loop = make_loop(L, ag, job)
+    if isinstance(loop, TrainerLoop):
+        loop.before_initialize()
+    engine.initialize(ids)
+    if isinstance(loop, TrainerLoop):
+        loop.after_initialize()
+    ag.before_matmul = workspace
     params = Params(ag, job.model, dtype_bytes(t.dtype), trainable)
     s = shape(job)
     layer_fn = None
@@ -114,34 +145,27 @@ def build_ledger(job: Job, steps: int = 3, skipped=()) -> Ledger:
         from .checkpoint import nonreentrant
 
         layer_fn = nonreentrant(ag)
-    kept = None  # the loop's ``outputs``: logits of the last forward
-    stepped_yet = False
-    for step in range(steps):
-        for micro in range(t.grad_accum):
-            L.mark(f"step{step}.micro{micro}.forward")
-            if hooks is not None:
-                hooks.start_forward()
-            out = forward(Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype))
-            if kept is not None:
-                ag.release(kept)  # the name is rebound: the previous output object dies
-                kept = None
-            if t.loop == "outputs":
-                kept = out.logits
-            else:
-                ag.release(out.logits)
-            L.mark(f"step{step}.micro{micro}.backward")
-            boundary = micro == t.grad_accum - 1
-            ag.backward(out.loss, 4)
-            ag.release(out.loss)
-            engine.end_backward(ag, boundary)
-            L.mark(f"step{step}.micro{micro}.step")
-            if boundary and step in skipped:
-                engine.skip(ag)
-            elif boundary:
-                first = not stepped_yet
-                stepped_yet = True
-                if isinstance(engine, Zero0):
-                    engine.step(ag, first)
-                else:
-                    engine.step(first)
+
+    def forward():
+        if hooks is not None:
+            hooks.start_forward()
+        out = forward_of(Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype))
+        return out if hooks is None else hooks.end_forward(ag, out)
+
+    stepped = []
+
+    def step(index: int, boundary: bool) -> None:
+        if not boundary:
+            return
+        if index in skipped:
+            engine.skip(ag)
+            return
+        first = not stepped
+        stepped.append(index)
+        if isinstance(engine, (Zero0, BF16Optimizer)):
+            engine.step(ag, first)
+        else:
+            engine.step(first)
+
+    loop.run(steps, forward, engine, step)
     return L

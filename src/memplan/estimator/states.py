@@ -32,6 +32,7 @@ class OptimizerKind:
 OPTIMIZERS = {
     "adamw": OptimizerKind(2, True),
     "torch_adamw": OptimizerKind(2, False),
+    "torch_adamw_fused": OptimizerKind(2, True),  # torch.optim.AdamW(fused=True): _fused_adamw_, no foreach temps
     "cpu_adam": OptimizerKind(2, True),
     "sgd": OptimizerKind(1, True),
     "lion": OptimizerKind(1, True),
@@ -98,41 +99,79 @@ def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bo
     transient = max(8 * grad_piece, (b + 4) * part)
     if offload == "none":
         return States(b * p_pad, 0, master, states, grads, full_grads, buckets, transient, 4 * part, 0, 0, 0)
-    host = master + states + 4 * part + b * part + b * largest  # + fp32 grads, bit16 buffer, pinned grad temp
+    # stage_1_and_2.py under cpu_offload, pinned (pin_memory on): the fp32 partition, its fp32 grad
+    # (initialize_optimizer_states), the 16-bit buffer (param_buffer_of_bit16_for_cpu_offload_groups) and
+    # temp_grad_buffer_for_cpu_offload (the largest parameter); the host optimizer's states are pageable
     nvme = master + states if offload == "nvme" else 0
-    return States(b * p_pad, 0, 0, 0, 0, full_grads, buckets, 0, 0, b * largest, host - nvme, nvme)
+    host = _pinned(4 * part) + _pinned(b * part) + _pinned(b * largest) + (0 if nvme else states + _pinned(master))
+    return States(b * p_pad, 0, 0, 0, 0, full_grads, buckets, 0, 0, b * largest, host, nvme)
+
+
+#: DeepSpeedZeroOffloadOptimizerConfig.buffer_count (runtime/zero/offload_config.py): the NVMe optimizer swapper's
+#: page-locked buffers of the largest sub-group (swap_tensor/optimizer_utils.py SwapBufferManager; DeepNVMe's own
+#: allocator, exact sizes)
+OPTIMIZER_SWAP_BUFFERS = 4
+#: DeepSpeedZeroOffloadParamConfig buffer_count, buffer_size and max_in_cpu: the parameter swapper's pinned
+#: buffers, and the partition elements NVMe offload keeps in host memory anyway (_create_param_groups_fp16_flat_cpu_memory)
+PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_ELEMENTS, PARAM_MAX_IN_CPU = 5, 100_000_000, 1_000_000_000
+
+
+def _pinned(nbytes: int) -> int:
+    """A pinned host tensor's block (CachingHostAllocator: the next power of two; estimator/places.py)."""
+    from .places import pinned_block_bytes
+
+    return pinned_block_bytes(nbytes)
 
 
 def stage3(p3_part: int, persistent: int, b: int, g: int, c: int, bucket: int, optimizer: str,
            offload_optimizer: str, offload_param: str, sub_group: int) -> States:
-    """ZeRO-3: runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3.
+    """ZeRO-3: runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3 (the ledger's model: estimator/zero3.py).
 
     - 16-bit partitions b·P₃/N (each parameter padded to a multiple of N), persistent params gathered.
     - fp32 master 4·P₃/N and optimizer states; grad partitions g·P₃/N (grad_partitions_flat_buffer);
       the IPG bucket B_r·c (__ipg_bucket_flat_buffer, not doubled).
     - step per sub-group: flatten of its 16-bit grads and an fp32 copy (b + 4 per partition element of the
       largest sub-group, sub_group_size elements at most).
-    - offload_optimizer: master, fp32 grads and states on the host; offload_param: 16-bit partitions too.
+    - host memory (pinned buffers at their CachingHostAllocator block, the next power of two; pin_memory on):
+      offload_optimizer cpu keeps the fp32 master (a pageable clone), the optimizer's states (DeepSpeedCPUAdam,
+      pageable), each sub-group's fp32 grad (pinned) and grad_partitions_flat_buffer (pinned, g·P₃/N); the step's
+      fp32 → 16-bit copy to the GPU converts on the host (b per element of the largest sub-group). nvme: master,
+      states and fp32 grads on NVMe, the swapper's buffers and the grad buffer on the host. offload_param: the
+      16-bit flat buffer pinned, plus zero.Init's per-parameter pinned partitions, which the host allocator keeps
+      cached after _move_to_flat_buffer frees them (counted at their size: a lower bound of their blocks).
     """
     opt = OPTIMIZERS[optimizer]
     master = 4 * p3_part
     states = 4 * opt.states_per_param * p3_part
     grads = g * p3_part  # on the host with offload_optimizer (stage3.py: grads go to the CPU partition)
-    step = (b + 4) * min(p3_part, sub_group)
+    largest = min(p3_part, sub_group)  # _create_fp16_sub_groups: sub_group_size elements or more each
+    groups = max(1, -(-p3_part // sub_group))
+    step = (b + 4) * largest
     params = 0 if offload_param != "none" else b * p3_part
     host = nvme = 0
+    if offload_param != "none":  # kept from the model build on: the flat buffer, the cached partitions
+        in_cpu = p3_part if offload_param == "cpu" else min(p3_part, PARAM_MAX_IN_CPU)
+        host += _pinned(b * in_cpu) + b * p3_part
+        if offload_param == "nvme":
+            nvme += b * (p3_part - in_cpu)
+            host += PARAM_SWAP_BUFFERS * PARAM_SWAP_BUFFER_ELEMENTS * b
+        if offload_optimizer == "none":
+            host += 4 * largest  # the step's GPU fp32 → host 16-bit copy converts on the host
+    if offload_optimizer == "nvme":
+        nvme += master + states + 4 * p3_part
+        host += OPTIMIZER_SWAP_BUFFERS * 4 * largest + _pinned(g * p3_part)
+    elif offload_optimizer == "cpu":
+        fp32_grads = groups * _pinned(4 * largest)
+        # initialize_optimizer_states pins the first fp32 grad next to its pageable original and the zero
+        # buffer of the largest sub-group; grad_partitions_flat_buffer is pinned next to its original; from
+        # the first step on the optimizer's states exist and the step converts each sub-group on the host
+        first_pin = master + 8 * largest + _pinned(4 * largest)
+        grad_pin = master + fp32_grads + g * p3_part + _pinned(g * p3_part)
+        steady = master + states + fp32_grads + _pinned(g * p3_part) + (b * largest if offload_param == "none" else 0)
+        host += max(first_pin, grad_pin, steady)
     if offload_optimizer != "none":
-        host += master + states + 4 * p3_part
         master = states = grads = 0
         step = 0
-        if offload_optimizer == "nvme":
-            nvme += 4 * p3_part + 4 * opt.states_per_param * p3_part
-            host -= nvme
-    if offload_param != "none":
-        if offload_param == "nvme":
-            nvme += b * p3_part
-        else:
-            host += b * p3_part
     return States(params, persistent, master, states, grads, 0, bucket * c, step,
                   4 * min(p3_part, sub_group) if step else 0, 0, host, nvme)
 

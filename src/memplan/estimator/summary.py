@@ -14,6 +14,8 @@ from ..result import Part, Phase
 from ..specs import Job
 
 INIT = "init"
+#: the breakdown's part for the bytes of unsplit large-pool blocks beyond their requests (see _counted)
+UNSPLIT_PART = "allocator_unsplit_blocks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,25 +54,33 @@ def _parts(L: Ledger, live: list[int]) -> tuple[Part, ...]:
     return tuple(Part(name=c, bytes=n, detail=f"e.g. {names[c]}") for c, n in by.items() if n)
 
 
-def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool = True) -> LedgerSummary:
-    """Replay ``L`` and read its peaks (see the module docstring)."""
+def _counted(L: Ledger, live: list[int], counted_bytes: int) -> tuple[Part, ...]:
+    """The live set's parts plus what torch's allocated counter adds on top of their 512-rounded sizes: a
+    large-pool block handed out unsplit (should_split: remainder at most kSmallSize) counts whole in
+    max_memory_allocated, so the breakdown sums to the peak the estimate reports."""
+    parts = _parts(L, live)
+    extra = counted_bytes - sum(p.bytes for p in parts)
+    if extra > 0:
+        parts += (Part(name=UNSPLIT_PART, bytes=extra, detail="cached blocks handed out whole (should_split)"),)
+    return parts
+
+
+def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool = True,
+              sim=None) -> LedgerSummary:
+    """Replay ``L`` and read its peaks (see the module docstring). Peak allocated is the simulator's
+    torch.cuda.max_memory_allocated (a large-pool block left unsplit counts whole, as in torch's counter); the
+    breakdown is the live set where the ledger's own count peaks in that phase. ``sim``: ``L`` already replayed
+    (with the same settings)."""
     from ..allocator import simulate
 
-    sim = simulate(L, allocator_config(job, card_bytes))
+    sim = sim or simulate(L, allocator_config(job, card_bytes))
     train = [p for p in sim.phases if p.label != INIT] or list(sim.phases)
-    spans = {label: (a, z) for label, a, z in L.phase_spans()}
-    best_label, best, best_at = None, -1, -1
-    phases = []
-    for p in train:
-        a, z = spans[p.label]
-        peak, at = L.peak(a, z)
-        if at < 0:
-            at = a - 1
-        if peak > best:
-            best_label, best, best_at = p.label, peak, at
-        if timeline:
-            phases.append(Phase(name=p.label, parts=_parts(L, L.live_at(at)) if at >= 0 else ()))
+    at_of = {label: at for label, _a, _z, _peak, at in L.phase_peaks()}
+    best = max(train, key=lambda p: p.peak_allocated_bytes)
+    live = L.live_sets([at_of[p.label] for p in train] if timeline else [at_of[best.label]])
+    phases = tuple(Phase(name=p.label, parts=_counted(L, live[at_of[p.label]], p.peak_allocated_bytes))
+                   for p in train) if timeline else ()
     reserved = max(p.peak_reserved_bytes for p in train)
-    components = _parts(L, L.live_at(best_at)) if best_at >= 0 else ()
-    return LedgerSummary(best, best_label or INIT, best_at, reserved, components, tuple(phases),
+    return LedgerSummary(best.peak_allocated_bytes, best.label, at_of[best.label], reserved,
+                         _counted(L, live[at_of[best.label]], best.peak_allocated_bytes), phases,
                          sim.num_alloc_retries, None if sim.oom is None else sim.oom.event)

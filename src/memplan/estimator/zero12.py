@@ -147,6 +147,10 @@ class Zero12:
         if self.bucket_elements + numel > self.rbs:
             self.reduce_ipg_grads(ag)
         if numel > self.rbs:  # extra_large_param_to_reduce: its own grad is reduced, not copied
+            if self.offload:  # _offload_gradient_safety_enabled: grad.data = grad.detach().clone() first
+                clone = ag.empty("zero.extra_large_grad_clone", grad.nbytes, component="gradients")
+                ag.release(grad)
+                grad = clone
             self.bucket_params.append((name, grad))
         else:
             ag.release(grad)  # copied into the bucket; param.grad now views the bucket

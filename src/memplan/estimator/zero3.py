@@ -1,206 +1,148 @@
-"""ZeRO stage 3 (DeepSpeed 0.19.8 runtime/zero/stage3.py, partition_parameters.py, partitioned_param_coordinator.py)
-as ledger events.
+"""ZeRO stage 3's optimizer (DeepSpeed 0.19.8 runtime/zero/stage3.py, DeepSpeedZeroOptimizer_Stage3) as ledger events;
+the partitioned parameters and their coordinator are estimator/zero3_params.py.
 
-Build (``deepspeed.zero.Init``): each parameter is created whole, its partition (ceil(numel / N) elements) cut,
-the whole freed. initialize: the lp partitions are defragmented into one flat buffer (zero/utils.py defragment:
-partitions freed, ``empty_cache()``, the flat buffer allocated), the fp32 partition made (_create_fp32_partitions),
-a zero fp32 grad made and dropped (initialize_optimizer_states), the IPG bucket (reduce_bucket_size elements) and
-the grad partitions (grad_partitions_flat_buffer, P/N in the grad-accumulation dtype) allocated, and every
-parameter gathered once while its grad hook is registered (create_reduce_and_remove_grad_hooks).
+initialize (``__init__``):
+- _create_fp16_partitions_with_defragmentation: the trainable parameters' partitions in one flat buffer — on the
+  GPU through defragment (zero/utils.py: a host buffer, the partitions freed, ``empty_cache()``, the buffer copied
+  back), or with offload_param in host memory (_create_param_groups_fp16_flat_cpu_memory, pinned when pin_memory;
+  _move_to_flat_buffer frees each host partition).
+- _create_fp32_partitions, per sub-group (_create_fp16_sub_groups: sub_group_size elements): ``flat.to(device,
+  fp32).clone()`` — the device is the host under offload_optimizer (``self.device = "cpu"``). A blocking copy that
+  also converts runs the conversion on the host (aten/src/ATen/native/cuda/Copy.cu copy_kernel_cuda: a host
+  temporary in the source dtype for GPU→host, in the destination dtype for host→GPU; none on the GPU).
+- initialize_optimizer_states: a zero fp32 buffer of the largest sub-group on ``self.device``, dropped at the end;
+  under offload each sub-group's fp32 grad is its own host buffer (pinned when pin_memory), kept.
+- the IPG bucket (reduce_bucket_size elements, on the GPU), then grad_partitions_flat_buffer (the trainable
+  partitions in the grad-accumulation dtype) on ``self.device``: in pinned host memory under offload_optimizer.
+- create_reduce_and_remove_grad_hooks gathers each trainable parameter once (Init._allgather_params_sequential:
+  an aligned buffer) and partitions it again.
 
-Forward and backward (PartitionedParameterCoordinator): before a module runs, its parameters not yet available
-are all-gathered on the all-gather stream — one parameter into a buffer of its aligned size
-(_all_gather_sequential), several into one flat buffer (_all_gather_dtype) from which each parameter is copied
-when it is waited for (AllGatherCoalescedHandle.wait: ``torch.cat(partitions)``), the flat buffer dying with its
-last parameter's wait. From the second step the recorded trace drives a prefetch of up to
-min(stage3_prefetch_bucket_size, stage3_max_live_parameters − available) elements per fetch. After a module runs its
-parameters are released unless persistent (numel ≤ stage3_param_persistence_threshold, from the second step) or
-used again within stage3_max_reuse_distance elements of the trace (__params_to_release); in the first step
-everything is released. A parameter's grad is copied into the IPG bucket and freed (__add_grad_to_ipg_bucket); a
-full bucket is reduce-scattered on the reduce stream (__avg_scatter_grads → reduce_scatter_coalesced: the grads
-flattened, each padded to N) into the grad partitions.
+Backward: a parameter's grad is copied into the IPG bucket and freed (__add_grad_to_ipg_bucket; one that would
+overflow the bucket reduces it first, one larger than the bucket keeps its own grad). __reduce_and_partition_ipg_grads:
+the bucket's parameters sorted by ds_id, __avg_scatter_grads → reduce_scatter_coalesced (comm/coalesced_collectives.py:
+the grads flattened with each padded to N — no copy when a single grad divides evenly; cast to the communication
+dtype first and to the accumulation dtype after when those differ), then partition_grads copies (micro-step 0) or
+adds each partition into grad_partitions_flat_buffer. Under offload_optimizer that buffer is on the host: each
+partition goes through a GPU copy (``grad_buffer.to(device)``, alive until the next parameter's), and at the
+accumulation boundary _offload_grad_partition_at_boundary takes its norm (_constant_buffered_norm2: fp64 pieces of
+250M elements) and copies it cast to fp32 into the sub-group's host fp32 grad (NVMe: the fp32 casts of the whole
+bucket are kept for the swap-out). The epilogue reduces what is left; backward_epilogue releases leftover
+parameters.
 
-Step: every gathered parameter released (_partition_all_parameters), the norm upcasts each grad partition to fp64
-in turn, per sub-group the grads are flattened and cast to fp32 (_prepare_fp32_grad_for_sub_group), the optimizer
-runs, the fp32 grad dropped; then the persistent parameters are gathered again (_post_step).
+Step: every gathered parameter released (_partition_all_parameters); fp16 checks the grad buffer for inf/nan
+(``torch.isinf(buffer).any()``, ``isnan`` likewise: one byte per element each); without offload the norm upcasts
+each grad partition to fp64 in turn (get_grad_norm_direct) and per sub-group the grads are flattened and cast to
+fp32 (_prepare_fp32_grad_for_sub_group); the optimizer runs (on the host under offload: DeepSpeedCPUAdam); the
+updated fp32 partition is copied into the 16-bit flat buffer (_reassign_or_swap_out_partitioned_parameters, a
+converting copy); the fp32 grad dropped; then the persistent parameters are gathered again (_post_step).
 """
 
 from __future__ import annotations
 
-from collections import deque
-
-from ..ledger import EMPTY_CACHE, Ledger
+from ..ledger import EMPTY_CACHE
 from .autograd import Autograd, Tensor
 from .optim import Optimizer
-from .transformer import ModuleHooks
+from .places import Places
+from .zero3_params import Zero3Params
 
-#: the coordinator's __allgather_stream and the optimizer's reduce_and_partition_stream (new CUDA streams)
-ALLGATHER_STREAM, REDUCE_STREAM = 2, 1
+#: the optimizer's reduce_and_partition_stream (a new CUDA stream)
+REDUCE_STREAM = 1
 FP32, FP64 = 4, 8
+#: _constant_buffered_norm2's default buffer_size (elements per fp64 piece)
+NORM_PIECE_ELEMENTS = 250_000_000
 
 
-class Zero3(ModuleHooks):
-    """The stage-3 optimizer and its parameter coordinator (see the module docstring)."""
+def sub_groups(numels: list[int], size: int) -> list[int]:
+    """_create_fp16_sub_groups: partition numels accumulated into sub-groups of at least ``size`` elements."""
+    total = sum(numels)
+    if size >= total:
+        return [total]
+    out, acc = [], 0
+    for i, x in enumerate(numels):
+        acc += x
+        if acc >= size or i == len(numels) - 1:
+            out.append(acc)
+            acc = 0
+    return out
 
-    def __init__(self, ledger: Ledger, names: list[str], numels: list[int], trainable: set[str], n: int, b: int,
-                 g: int, zero, optimizer: Optimizer, comm_bytes: int):
-        self.L, self.n, self.b, self.g, self.opt = ledger, n, b, g, optimizer
-        self.numel = dict(zip(names, numels))
-        self.order = names
+
+class Zero3(Zero3Params):
+    """The stage-3 optimizer over its partitioned parameters (see the module docstring)."""
+
+    def __init__(self, places: Places, names: list[str], numels: list[int], trainable: set[str], n: int, b: int,
+                 g: int, zero, optimizer: Optimizer, comm_bytes: int, grad_accum: int = 1, fp16: bool = False):
+        super().__init__(places, names, numels, n, b, zero)
+        self.g, self.opt, self.comm_b, self.ga, self.fp16 = g, optimizer, comm_bytes, grad_accum, fp16
         self.trainable = trainable
-        self.part = {k: -(-v // n) for k, v in self.numel.items()}
-        self.persist_at = zero.stage3_param_persistence_threshold
-        self.rbs, self.prefetch, self.max_live = zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, \
-            zero.stage3_max_live_parameters
-        self.reuse, self.sub_group, self.comm_b = zero.stage3_max_reuse_distance, zero.sub_group_size, comm_bytes
-        self.avail: dict[str, int] = {}  # name → ledger id of its gathered storage
-        self.inflight: dict[str, list] = {}  # name → its handle [flat id or None, set of names still to wait]
-        self.n_avail = 0
-        self.complete = False
-        self.trace_modules: list[tuple[str, ...]] = []  # params of each fetched module, in order
-        self.param_order: list[tuple[str, int]] = []
-        self.queue: deque = deque()
-        self.recent: dict[str, int] = {}
-        self.step_id = 0
+        self.trained = [k for k in names if k in trainable]
+        self.rbs, self.sub_group = zero.reduce_bucket_size, zero.sub_group_size
+        self.offload_opt = zero.offload_optimizer != "none"
+        self.nvme_opt = zero.offload_optimizer == "nvme"
+        self.groups = sub_groups([self.part[k] for k in self.trained], self.sub_group)
         self.bucket_params: list[tuple[str, Tensor | None]] = []
         self.bucket_elements = 0
-        self._partitions_ids: list[int] = []
+        self.micro = 0  # micro_step_id
+        self.forwards = 0
+        self.epilogue_ran = False
 
-    def persistent(self, name: str) -> bool:
-        return self.numel[name] <= self.persist_at
-
-    # -- build and initialize ------------------------------------------------------------------------------
-    def build(self, model_order: list[tuple[str, int]]) -> None:
-        """zero.Init: each parameter whole, then its partition, then the whole freed."""
-        L, b = self.L, self.b
-        for name, numel in model_order:
-            whole = L.alloc(name, b * numel, "params_16bit")
-            self._partitions_ids.append(L.alloc(f"{name} (partition)", b * -(-numel // self.n), "params_16bit"))
-            L.free(whole)
-
+    # -- initialize -----------------------------------------------------------------------------------------
     def initialize(self, param_ids: dict[str, int]) -> None:
-        L, b = self.L, self.b
-        for tid in self._partitions_ids:  # defragment: partitions to the host, freed, empty_cache, one flat buffer
-            L.free(tid)
-        L.mark("defragment", EMPTY_CACHE)
-        total = sum(self.part.values())
-        L.alloc("zero3.lp_param_buffer", b * total, "params_16bit")
-        trained = sum(self.part[k] for k in self.order if k in self.trainable)
-        f1 = L.alloc("zero3.fp32_partition", FP32 * trained, "master_params_fp32")
-        L.alloc("zero3.fp32_partition_clone", FP32 * trained, "master_params_fp32") if self.opt.on_gpu else None
-        L.free(f1) if self.opt.on_gpu else None
-        L.free(L.alloc("zero3.initial_grad", FP32 * trained, "optimizer_step_transient"))
+        L, P, b = self.L, self.P, self.b
+        total = sum(self.part[k] for k in self.trained)
+        if not self.offload_param:  # defragment
+            cpu = P.host_alloc("zero3.defragment_cpu_buffer", b * total)
+            for k in self.trained:
+                L.free(self.partitions.pop(k))
+            L.mark("defragment", EMPTY_CACHE)
+            P.to_device("zero3.lp_param_buffer", b * total, "params_16bit")
+            if not P.cpu_run:  # on the CPU accelerator the host buffer is the flat buffer
+                P.free_host(cpu)
+        else:  # _create_param_groups_fp16_flat_cpu_memory, _move_to_flat_buffer
+            P.pin(P.host_alloc("zero3.fp16_partitioned_groups_flat (host)", b * total, "params_16bit"),
+                  self.pin_memory)
+            for k in self.trained:
+                P.free_host(self.partitions.pop(k))
+        lp_host = self.offload_param and not P.cpu_run
+        converted = None  # the local ``converted``: the previous sub-group's dies when the name is rebound
+        for n in self.groups:  # _create_fp32_partitions
+            if self.nvme_opt:
+                continue  # swappable: the fp32 partition lives on NVMe (the swapper's buffers are host memory)
+            if self.offload_opt:
+                conv = P.host_alloc("zero3.fp32_partition (converted)", FP32 * n, "master_params_fp32")
+                if not lp_host and not P.cpu_run:  # GPU → host with a conversion: a host copy in the 16-bit dtype
+                    P.free_host(P.host_alloc("zero3.fp16_to_host", b * n))
+                P.free_host(converted)
+                P.host_alloc("zero3.fp32_partition", FP32 * n, "master_params_fp32")
+            else:
+                conv = L.alloc("zero3.fp32_partition (converted)", FP32 * n, "master_params_fp32")
+                if lp_host:  # host → GPU with a conversion: the fp32 copy made on the host
+                    P.free_host(P.host_alloc("zero3.fp16_to_fp32_host", FP32 * n))
+                P.free_dev(converted)
+                L.alloc("zero3.fp32_partition", FP32 * n, "master_params_fp32")
+            converted = conv
+        if converted is not None:
+            P.free_host(converted) if self.offload_opt else P.free_dev(converted)
+        largest = max(self.groups)  # initialize_optimizer_states
+        gbuf = (P.host_alloc("zero3.initial_grad", FP32 * largest) if self.offload_opt else
+                L.alloc("zero3.initial_grad", FP32 * largest, "optimizer_step_transient"))
+        if self.offload_opt and not self.nvme_opt:
+            for n in self.groups:
+                P.host_zeros("zero3.fp32_grad_partition (host)", FP32 * n, self.pin_memory, "gradients")
+        P.free_host(gbuf) if self.offload_opt else L.free(gbuf)
         L.alloc("zero3.ipg_bucket", b * self.rbs, "grad_bucket")
-        L.alloc("zero3.grad_partitions_flat_buffer", self.g * trained, "gradients")
-        for name in self.order:  # create_reduce_and_remove_grad_hooks gathers each parameter once
-            if name in self.trainable:
-                L.free(L.alloc(f"{name} (gathered for its hook)", b * self.numel[name], "params_gathered"))
-
-    # -- gathering ----------------------------------------------------------------------------------------
-    def _all_gather(self, names: list[str]) -> None:
-        """__all_gather_params_: one call for the parameters not yet available."""
-        todo = [n for n in names if n not in self.avail and n not in self.inflight]
-        if not todo:
-            return
-        L, b = self.L, self.b
-        self.n_avail += sum(self.numel[n] for n in todo)
-        if len(todo) == 1:  # _all_gather_sequential: the buffer is the parameter
-            name = todo[0]
-            self.avail[name] = L.alloc(f"{name} (gathered)", b * self.part[name] * self.n, "params_gathered",
-                                       ALLGATHER_STREAM)
-            return
-        flat = L.alloc("zero3.allgather_flat", b * self.n * sum(self.part[n] for n in todo), "params_gathered",
-                       ALLGATHER_STREAM)
-        handle = [flat, set(todo)]
-        for name in todo:
-            self.inflight[name] = handle
-
-    def _wait(self, name: str) -> None:
-        handle = self.inflight.pop(name, None)
-        if handle is None:
-            return
-        self.avail[name] = self.L.alloc(f"{name} (gathered)", self.b * self.numel[name], "params_gathered",
-                                        ALLGATHER_STREAM)
-        handle[1].discard(name)
-        if not handle[1]:
-            self.L.free(handle[0])
-
-    def _release(self, name: str) -> None:
-        tid = self.avail.pop(name, None)
-        if tid is not None:
-            self.L.free(tid)
-            self.n_avail -= self.numel[name]
-
-    def fetch(self, params: tuple[str, ...]) -> None:
-        """fetch_sub_module: gather, wait, then (with a complete trace) prefetch."""
-        if not self.complete:
-            self.trace_modules.append(params)
-            self.param_order.extend((p, self.step_id) for p in params)
-        self._all_gather(list(params))
-        for p in params:
-            self._wait(p)
-        if self.complete:
-            pending = {p for p in params if self.recent.get(p, -10**12) < self.step_id}
-            discarded: set[str] = set()
-            while self.queue and len(discarded) < len(pending):
-                p, used_at = self.queue.popleft()
-                self.recent[p] = used_at
-                discarded.add(p)
-            budget = min(self.max_live - self.n_avail, self.prefetch)
-            chosen: list[str] = []
-            numel = 0
-            while self.queue and numel < budget:
-                p, used_at = self.queue.popleft()
-                if p not in self.avail and p not in self.inflight and p not in chosen:
-                    chosen.append(p)
-                    numel += self.numel[p]
-                self.recent[p] = max(self.recent.get(p, -10**12), used_at)
-            if chosen:
-                self._all_gather(chosen)
-        self.step_id += 1
-
-    def release(self, params: tuple[str, ...]) -> None:
-        """release_sub_module with __params_to_release's rules."""
-        if not self.complete:
-            for p in params:
-                self._release(p)
-            return
-        keep = {p for p in params if self.persistent(p) or self.recent.get(p, -10**12) > self.step_id}
-        traversed = 0
-        for module in self.trace_modules[self.step_id:]:
-            if traversed >= self.reuse:
-                break
-            for p in module:
-                keep.add(p)
-                traversed += self.numel[p]
-        for p in params:
-            if p not in keep:
-                self._release(p)
-
-    # -- module hooks -------------------------------------------------------------------------------------
-    def pre_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]):
-        names = tuple(dict.fromkeys(t.param for t in params))
-        self.fetch(names)
-        # PostBackwardFunctionModule on each input that requires grad: once all their grads are computed
-        # (module.ds_grads_remaining back to 0), release the module's parameters
-        remaining = [sum(1 for x in inputs if x.requires_grad)]
-
-        def after_backward():
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                self.release(names)
-        return tuple(ag.marker(x, after_backward) if x.requires_grad else x for x in inputs)
-
-    def post_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], output: Tensor) -> Tensor:
-        names = tuple(dict.fromkeys(t.param for t in params))
-        self.release(names)
-        # PreBackwardFunctionForModule on the output: before the module's backward, fetch it
-        return ag.marker(output, lambda names=names: self.fetch(names)) if output.requires_grad else output
+        if self.offload_opt:
+            P.host_zeros("zero3.grad_partitions_flat_buffer (host)", self.g * total, self.pin_memory, "gradients")
+        else:
+            L.alloc("zero3.grad_partitions_flat_buffer", self.g * total, "gradients")
+        for k in self.trained:  # create_reduce_and_remove_grad_hooks: param.all_gather(), param.partition()
+            self.gather_now([k], "gathered for its hook")
+            self.P.free_dev(self.avail.pop(k))
 
     # -- gradients ----------------------------------------------------------------------------------------
     def on_param_grad(self, ag: Autograd, param: Tensor, grad: Tensor) -> None:
         """reduce_independent_p_g_buckets_and_remove_grads for one parameter's fresh (whole) grad."""
         name = param.param
+        self.free_retained(name)  # its node released what it saved before AccumulateGrad ran
         numel = self.numel[name]
         if self.bucket_elements + numel > self.rbs and self.bucket_elements > 0:
             self.reduce_bucket(ag)
@@ -212,79 +154,129 @@ class Zero3(ModuleHooks):
         self.bucket_elements += numel
 
     def reduce_bucket(self, ag: Autograd) -> None:
-        """__reduce_and_partition_ipg_grads → __avg_scatter_grads → reduce_scatter_coalesced, then partition_grads."""
+        """__reduce_and_partition_ipg_grads (see the module docstring)."""
         if not self.bucket_params:
             return
-        L = self.L
-        padded = sum(self.part[n] * self.n for n, _ in self.bucket_params)
+        L, s = self.L, REDUCE_STREAM
+        bucket = sorted(self.bucket_params, key=lambda kv: self.rank_of[kv[0]])
+        self.bucket_params, self.bucket_elements = [], 0
         casts = []
         if self.comm_b != self.b:  # full_grads_for_rank = [g.to(communication_data_type) ...]
-            casts = [L.alloc("zero3.grad_comm_cast", self.comm_b * self.numel[n], "grad_bucket", REDUCE_STREAM)
-                     for n, _ in self.bucket_params]
-        flat = L.alloc("zero3.reduce_scatter_flat", self.comm_b * padded, "grad_bucket", REDUCE_STREAM)
-        for c in casts:
+            casts = [L.alloc("zero3.grad_comm_cast", self.comm_b * self.numel[k], "grad_bucket", s) for k, _ in bucket]
+        single = len(bucket) == 1 and self.numel[bucket[0][0]] % self.n == 0
+        if single:  # the one grad (or its cast) is reduce-scattered in place
+            flat = casts.pop() if casts else None
+        else:
+            flat = L.alloc("zero3.reduce_scatter_flat", self.comm_b * sum(self.part[k] * self.n for k, _ in bucket),
+                           "grad_bucket", s)
+        for c in reversed(casts):
             L.free(c)
-        if self.comm_b != self.g:  # grad_partitions_for_rank cast to the accumulation dtype
-            L.free(L.alloc("zero3.grad_partition_cast", self.g * padded // self.n, "grad_bucket", REDUCE_STREAM))
-        L.free(flat)
-        for _, kept in self.bucket_params:
-            if kept is not None:
-                ag.release(kept)
-        self.bucket_params, self.bucket_elements = [], 0
+        parts = []
+        if self.comm_b != self.g:  # grad_partitions_for_rank cast to the accumulation dtype; the flat dies
+            parts = [L.alloc("zero3.grad_partition_cast", self.g * self.part[k], "grad_bucket", s) for k, _ in bucket]
+            if flat is not None:
+                L.free(flat)
+                flat = None
+        # the partitions view the grad itself: it lives until they die
+        holds_grad = single and self.comm_b == self.b and self.comm_b == self.g
+        self._partition_grads(ag, bucket, holds_grad)
+        for c in reversed(parts):
+            L.free(c)
+        if flat is not None:
+            L.free(flat)
+        if holds_grad and bucket[0][1] is not None:
+            ag.release(bucket[0][1])
+
+    def _partition_grads(self, ag: Autograd, bucket, holds_grad: bool) -> None:
+        """partition_grads: each partition into grad_partitions_flat_buffer (via the GPU under offload)."""
+        P, L, s = self.P, self.L, REDUCE_STREAM
+        boundary = self.forwards % self.ga == 0
+        staging = None
+        nvme_fp32 = []
+        for k, kept in bucket:
+            P.free_dev(staging)  # the previous parameter's GPU copy: ``grad_buffer`` rebound
+            staging = None
+            n = self.part[k]
+            if self.offload_opt:
+                staging = P.to_device(f"{k} (grad partition on the GPU)", self.g * n, "offload_staging", s)
+                if boundary:  # _offload_grad_partition_at_boundary
+                    left = n
+                    while left > 0:  # _constant_buffered_norm2
+                        piece = min(left, NORM_PIECE_ELEMENTS)
+                        L.free(L.alloc("zero3.offload_norm_fp64", FP64 * piece, "offload_staging", s))
+                        left -= piece
+                    cast = L.alloc("zero3.offload_grad_fp32", FP32 * n, "offload_staging", s)
+                    nvme_fp32.append(cast) if self.nvme_opt else L.free(cast)
+            if kept is not None and not holds_grad:
+                ag.release(kept)  # param.grad = None
+        for c in nvme_fp32:  # after _swap_out_offload_fp32_gradients
+            L.free(c)
+        P.free_dev(staging)
 
     def end_backward(self, ag: Autograd, boundary: bool) -> None:
-        """independent_gradient_partition_epilogue, then release_backward_leftovers."""
+        """independent_gradient_partition_epilogue, then backward_epilogue (release_backward_leftovers)."""
         self.reduce_bucket(ag)
-        for p in list(self.avail):
-            if not (self.complete and self.persistent(p)) and p not in self._kept_after_backward():
-                self._release(p)
+        self.epilogue_ran = True
+        self.release_leftovers()
 
-    def _kept_after_backward(self) -> set[str]:
-        return set()
+    def start_forward(self) -> None:
+        """The engine's forward: clear_backward_seen_flag (micro_step_id + 1 after a backward), the root
+        module's pre-hooks (reset_step, then its fetch_sub_module: DeepSpeedZeRoOffload registers the
+        coordinator's hooks on every module, parameters or not), then the base model's (``*ForCausalLM.model``)
+        fetch: neither has parameters of its own, but with a complete trace each fetch prefetches."""
+        if self.epilogue_ran:
+            self.micro += 1
+            self.epilogue_ran = False
+        self.forwards += 1
+        self.reset_step()
+        self.fetch(())
+        self.fetch(())
 
     # -- step -------------------------------------------------------------------------------------------
-    def _partition_all(self) -> None:
-        for p in list(self.avail):  # _partition_all_parameters
-            self._release(p)
-        for p in list(self.inflight):
-            self._wait(p)
-            self._release(p)
+    def _overflow_check(self) -> None:
+        """fp16: has_overflow over grad_partitions_flat_buffer (isinf, then isnan: a bool per element)."""
+        if not self.fp16:
+            return
+        total = sum(self.part[k] for k in self.trained)
+        for what in ("isinf", "isnan"):
+            if self.offload_opt:
+                self.P.free_host(self.P.host_alloc(f"zero3.{what}", total))
+            else:
+                self.L.free(self.L.alloc(f"zero3.{what}", total, "optimizer_step_transient", REDUCE_STREAM))
 
     def skip(self, ag: Autograd) -> None:
         """An overflowing fp16 step: parameters partitioned, then step() returns before the optimizer."""
-        self._partition_all()
+        self.micro, self.epilogue_ran = 0, False
+        self.partition_all()
+        self._overflow_check()
 
     def step(self, first: bool) -> None:
-        L = self.L
-        self._partition_all()
-        trained = [k for k in self.order if k in self.trainable]
-        for p in trained:  # _get_norm_groups → get_grad_norm_direct: each grad partition in fp64
-            L.free(L.alloc("zero3.norm_fp64", FP64 * self.part[p], "optimizer_step_transient"))
-        total = sum(self.part[p] for p in trained)
-        left, group = total, 0
-        while left > 0:
-            n = min(left, self.sub_group)
-            flat = L.alloc("zero3.flat_grad_sub_group", self.g * n, "optimizer_step_transient")
-            fp32 = L.alloc("zero3.fp32_grad_sub_group", FP32 * n, "optimizer_step_transient")
-            L.free(flat)
-            self.opt.step(L, n, first, group)
-            L.free(fp32)
-            left -= n
-            group += 1
-        self._post_step()
-
-    def _post_step(self) -> None:
-        """Persistent parameters gathered again, one buffer each."""
-        for p in self.order:
-            if self.persistent(p) and p not in self.avail:
-                self.avail[p] = self.L.alloc(f"{p} (persistent)", self.b * self.numel[p], "params_persistent")
-                self.n_avail += self.numel[p]
-
-    def start_forward(self) -> None:
-        """reset_step (the root module's forward pre-hook): a recorded trace becomes complete; the prefetch
-        queue starts over from it."""
-        if self.param_order:
-            self.complete = True
-        self.queue = deque(self.param_order)
-        self.recent = {}
-        self.step_id = 0
+        L, P = self.L, self.P
+        self.micro, self.epilogue_ran = 0, False  # _pre_step
+        self.partition_all()
+        self._overflow_check()
+        if not self.offload_opt:
+            for k in self.trained:  # _get_norm_groups → get_grad_norm_direct: each grad partition in fp64
+                L.free(L.alloc("zero3.norm_fp64", FP64 * self.part[k], "optimizer_step_transient"))
+            # torch.sum(torch.pow(torch.stack(grad_norms), 2)): one fp64 norm per parameter
+            stack = L.alloc("zero3.stacked_norms", FP64 * len(self.trained), "optimizer_step_transient")
+            power = L.alloc("zero3.stacked_norms_pow", FP64 * len(self.trained), "optimizer_step_transient")
+            L.free(stack)
+            L.free(power)
+        lp_host = self.offload_param and not P.cpu_run
+        for i, n in enumerate(self.groups):
+            fp32 = None
+            if not self.offload_opt:  # _prepare_fp32_grad_for_sub_group: flatten, then .to(fp32)
+                flat = L.alloc("zero3.flat_grad_sub_group", self.g * n, "optimizer_step_transient")
+                fp32 = flat
+                if self.g != FP32:
+                    fp32 = L.alloc("zero3.fp32_grad_sub_group", FP32 * n, "optimizer_step_transient")
+                    L.free(flat)
+            self.opt.step(L, n, first, i)
+            if self.offload_opt and not lp_host and not P.cpu_run:
+                P.free_host(P.host_alloc("zero3.fp32_to_16bit_host", self.b * n))  # host → GPU, converted
+            elif not self.offload_opt and lp_host:
+                P.free_host(P.host_alloc("zero3.fp32_on_host", FP32 * n))  # GPU → host, converted
+            if fp32 is not None:
+                L.free(fp32)  # _release_sub_group
+        self.gather_persistent()

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
         values = read_user_files(args)
     space, notes = space_from_args(args)
-    result = search(space)
+    result = search(space, top=max(args.top, args.emit or 0))  # an emitted row is a confirmed one
     if result.searched == 0:
         why = ", ".join(f"{k} ({v})" for k, v in result.invalid.items()) or "the exclusions leave nothing"
         raise InputError("plan", f"no valid configuration to search: {why}; allowed: a global batch divisible by "
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.emit:
         from .emit import emit
 
-        rows = result.candidates
+        rows = result.shown(max(args.top, args.emit))
         row = rows[args.emit - 1] if 0 < args.emit <= len(rows) else None
         out = emit(space, rows, args.emit, args.emit_dir or f"plan-row-{args.emit}",
                    candidate_dict(row) if row else {})
@@ -166,4 +166,4 @@ def run(args: argparse.Namespace) -> int:
 
         console = Console() if sys.stdout.isatty() else Console(width=WIDE_OUTPUT_COLUMNS)
         render(result, args.top, notes, console, user_lines)
-    return 0 if result.candidates else 1
+    return 0 if result.shown(args.top) else 1

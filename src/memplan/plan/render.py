@@ -21,7 +21,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "device_total_bytes": c.device_total_bytes, "host_bytes_per_node": c.host_bytes_per_node,
         "nvme_bytes_per_node": c.nvme_bytes_per_node, "peak_phase": c.peak_phase,
         "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s, "binding": c.binding,
-        "fits": c.fits, "misses": list(c.misses),
+        "fits": c.fits, "misses": list(c.misses), "confirmed": c.confirmed,
         "step_terms_s": {t.name: t.seconds for t in c.step.terms},
     }
 
@@ -49,8 +49,8 @@ def assumptions(space: PlanSpace, notes: list[str], space_notes: tuple[str, ...]
 def plan_dict(result: PlanResult, top: int, notes: list[str], user: dict | None = None) -> dict[str, Any]:
     """The --json object: candidates (top N), closest misses, assumptions, counts, the user's config."""
     out = {
-        "candidates": [candidate_dict(c) for c in result.candidates[:top]],
-        "closest": [] if result.candidates else [candidate_dict(c) for c in result.closest[:top]],
+        "candidates": [candidate_dict(c) for c in result.shown(top)],
+        "closest": [] if result.shown(top) else [candidate_dict(c) for c in result.closest[:top]],
         "assumptions": assumptions(result.space, notes, result.notes),
         "searched": result.searched,
         "evaluated": result.evaluated,
@@ -110,10 +110,10 @@ def _assumption_lines(space: PlanSpace, notes: list[str]) -> list[str]:
 def render(result: PlanResult, top: int, notes: list[str], console, user_lines: list[str] | None = None) -> None:
     """Print the plan: the fitting rows (or the closest misses, said plainly), assumptions, counts."""
     space = result.space
-    if result.candidates:
-        console.print(_table(f"{result.feasible} of {result.searched} configurations fit; the fastest "
-                             f"{min(top, len(result.candidates))} of {len(result.candidates)} distinct rows",
-                             list(result.candidates[:top])))
+    if result.shown(top):
+        console.print(_table(f"{result.feasible} of {result.searched} configurations pass the memory screen; the "
+                             f"fastest {len(result.shown(top))} of {len(result.candidates)} distinct rows, "
+                             "confirmed by the estimator", result.shown(top)))
     else:
         console.print(f"[bold red]No configuration fits[/] {fmt_gib(space.target_bytes)} per GPU with host RAM "
                       f"{_size(space.host_ram_bytes_per_node)} and NVMe {_size(space.nvme_bytes_per_node)} per node "

@@ -36,10 +36,18 @@ PeakFn = Callable[[Job], "object"]
 
 
 def default_peak_fn() -> PeakFn:
-    """The estimator's fast path: memplan.estimator.quick_peak (no typed breakdown)."""
+    """The estimator's figure for one job: memplan.estimator.quick_peak (no typed breakdown; the allocation
+    ledger where it models the job)."""
     from ..estimator import quick_peak
 
     return quick_peak
+
+
+def default_screen_fn() -> PeakFn:
+    """What every candidate is screened with: memplan.estimator.screen_peak (the phase-list model)."""
+    from ..estimator import screen_peak
+
+    return screen_peak
 
 
 class Candidate(NamedTuple):
@@ -69,6 +77,7 @@ class Candidate(NamedTuple):
     tokens_per_s: float = float("nan")
     binding: str = ""  # memory / compute / comm / offload / bubble
     same_as_attention: tuple[str, ...] = ()  # other attention implementations with identical memory and time
+    confirmed: bool = True  # its figures are the estimator's (False: screened only, memplan.plan.confirm)
 
     @property
     def fits(self) -> bool:
@@ -87,6 +96,12 @@ class PlanResult:
     feasible: int = 0  # evaluated configurations that fit (rows merged by attention count separately)
     invalid: dict[str, int] = field(default_factory=dict)  # dropped combinations by rule
     notes: tuple[str, ...] = ()  # what the search changed about the space, and why
+    confirmed: int = 0  # jobs the estimator (the ledger) ran on to confirm the shown rows (memplan.plan.confirm)
+
+    def shown(self, top: int) -> list[Candidate]:
+        """The rows to show: of the fastest ``top``, those whose figures are the estimator's (all of them unless
+        the confirmation stopped at its limit)."""
+        return [c for c in self.candidates[:top] if c.confirmed]
 
 
 class _Combo(NamedTuple):
@@ -143,8 +158,8 @@ def _combos(space: PlanSpace, invalid: dict[str, int]) -> Iterator[_Combo]:
 class _Evaluator:
     """Builds a candidate Job and runs the estimator and the perf model on it."""
 
-    def __init__(self, space: PlanSpace, peak_fn: PeakFn):
-        self.space, self.peak_fn = space, peak_fn
+    def __init__(self, space: PlanSpace, peak_fn: PeakFn, confirming: bool = False):
+        self.space, self.peak_fn, self.confirming = space, peak_fn, confirming
         self.costs: ModelCosts = model_costs(space.model, space.seq_len)
         training = TrainingSpec.model_construct(seq_len=space.seq_len, dtype=space.dtype)
         self.job_template = Job.model_construct(model=space.model, training=training, layout=Layout.model_construct())
@@ -159,7 +174,14 @@ class _Evaluator:
     def __call__(self, combo: _Combo, checkpointing: str, attention: str, micro: int) -> Candidate:
         self.count += 1
         job = self.job(combo, checkpointing, attention, micro)
-        return make_candidate(self.space, job, self.peak_fn(job), self.costs, timed=False)
+        cand = make_candidate(self.space, job, self.peak_fn(job), self.costs, timed=False)
+        return cand._replace(confirmed=False) if self.confirming else cand
+
+    def maybe(self, cand: Candidate) -> bool:
+        """A screened miss the confirmation may still find fitting (memplan.plan.confirm.is_maybe)."""
+        from .confirm import is_maybe
+
+        return self.confirming and is_maybe(self.space, cand)
 
 
 def make_candidate(space: PlanSpace, job: Job, peak, costs: ModelCosts | None = None,
@@ -210,7 +232,7 @@ def _micro_chain(combo: _Combo, ckpt: str, attention: str, micros: list[int], ev
         cand = evaluate(combo, ckpt, attention, micro)
         out.append(cand)
         rest = micros[j + 1:]
-        if cand.fits or not prune or not rest:
+        if cand.fits or not prune or not rest or evaluate.maybe(cand):
             continue
         if _budget_miss(cand):
             return out, len(rest)
@@ -238,7 +260,7 @@ def _search_combo(space: PlanSpace, combo: _Combo, evaluate: _Evaluator, prune: 
             out += cands
             skipped += chain_skipped
             first = cands[0]
-            if not prune or first.fits:
+            if not prune or first.fits or evaluate.maybe(first):
                 continue
             later_ckpts = (len(ckpts) - ci - 1) * len(micros)
             if _budget_miss(first):
@@ -249,9 +271,16 @@ def _search_combo(space: PlanSpace, combo: _Combo, evaluate: _Evaluator, prune: 
     return out, skipped
 
 
-def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, keep_closest: int = 20) -> PlanResult:
-    """Every valid configuration of ``space``; the feasible ones by step time (ties: less device memory)."""
-    evaluate = _Evaluator(space, peak_fn or default_peak_fn())
+def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, keep_closest: int = 20,
+           top: int = 10, exact_fn: PeakFn | None = None) -> PlanResult:
+    """Every valid configuration of ``space``; the feasible ones by step time (ties: less device memory).
+
+    Without ``peak_fn`` every candidate is screened (default_screen_fn) and the first ``top`` rows are
+    confirmed by the estimator (``exact_fn``, default_peak_fn; memplan.plan.confirm); a given ``peak_fn`` is
+    taken as the estimator itself (nothing to confirm) unless ``exact_fn`` is given too."""
+    if peak_fn is None:
+        peak_fn, exact_fn = default_screen_fn(), exact_fn or default_peak_fn()
+    evaluate = _Evaluator(space, peak_fn, confirming=exact_fn is not None)
     notes: tuple[str, ...] = ()
     if "selective" in space.checkpointing and not _selective_modelled(evaluate):
         space = space.model_copy(update={"checkpointing": tuple(c for c in space.checkpointing if c != "selective")
@@ -267,15 +296,34 @@ def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, 
         cands, combo_skipped = _search_combo(space, combo, evaluate, prune)
         skipped += combo_skipped
         for cand in cands:
-            (feasible if cand.fits else misses).append(cand)
-    n_feasible = len(feasible)
+            (feasible if cand.fits or evaluate.maybe(cand) else misses).append(cand)
     feasible = [with_time(space, c, evaluate.costs) for c in feasible]
-    feasible = _merge_attention(sorted(feasible, key=lambda c: (c.step_time_s, c.device_total_bytes)))
+    feasible.sort(key=_rank)
+    runs = 0
+    if exact_fn is not None:
+        from .confirm import confirm
+
+        shown, refused, runs, limited = confirm(space, feasible, exact_fn, top, evaluate.costs,
+                                                lambda fits: len(_merge_attention(sorted(fits, key=_rank))))
+        done = {id(c.job) for c in shown} | {id(c.job) for c in refused}
+        rest = [c for c in feasible if id(c.job) not in done and c.fits]
+        misses += refused
+        feasible = sorted(shown, key=_rank) + rest
+        if limited:
+            notes = (*notes, (f"{len(shown)} rows confirmed by the estimator before its limit of {runs} runs; "
+                              "the screened rows after them are not shown"))
+    n_feasible = len(feasible)
+    feasible = _merge_attention(feasible)
     misses.sort(key=lambda c: (_overshoot(space, c), c.device_total_bytes))
-    misses = _merge_attention([with_time(space, c, evaluate.costs) for c in misses[:2 * keep_closest]])
+    misses = _merge_attention([c if c.step is not None else with_time(space, c, evaluate.costs)
+                               for c in misses[:2 * keep_closest]])
     return PlanResult(space=space, candidates=tuple(feasible), closest=tuple(misses[:keep_closest]),
                       searched=evaluate.count + skipped, evaluated=evaluate.count, feasible=n_feasible,
-                      invalid=invalid, notes=notes)
+                      invalid=invalid, notes=notes, confirmed=runs)
+
+
+def _rank(c: Candidate) -> tuple[float, int]:
+    return c.step_time_s, c.device_total_bytes
 
 
 def _selective_modelled(evaluate: _Evaluator) -> bool:

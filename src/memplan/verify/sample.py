@@ -31,6 +31,7 @@ import random
 import re
 import shlex
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,11 @@ HF_TEMPLATE_STAND_IN = {
 class Refused(Exception):
     """A drawn line that memplan check refuses or the H200 cannot hold (its reason is the message)."""
 
+
+
+#: verify's --out while a line is only parsed (never created: nothing runs; verify refuses a device such as
+#: /dev/null as its report folder, memplan.outputs.check_folder)
+_PARSE_ONLY_OUT = os.path.join(tempfile.gettempdir(), "memplan-sample-parse-only")
 
 def split_of(seed: int, index: int) -> str:
     """"fit" or "check": one of each per pair of lines, which one from sha256(seed, pair)."""
@@ -159,7 +165,7 @@ def _validate(name: str, args: list[str], d: space.Draw, stand_in: str | None) -
     if stand_in is not None:
         i = args.index("--ds-config")
         parse_args = args[:i + 1] + [stand_in] + args[i + 2:]
-    item = parse_item({"name": name, "args": parse_args}, os.devnull)
+    item = parse_item({"name": name, "args": parse_args}, _PARSE_ONLY_OUT)
     if item.error:
         raise Refused(f"flags: {item.error}")
     job = item.job
@@ -315,7 +321,7 @@ def summary(lines: list[dict[str, Any]], sampler: Sampler) -> dict[str, Any]:
         c["lora"][str(m["lora"])] += 1
         c["needs_gpus"][str(line.get("needs_gpus", 1))] += 1
         job = None if line.get("requires") and not Path(line["requires"][0]).is_file() else \
-            parse_item(line, os.devnull).job
+            parse_item(line, _PARSE_ONLY_OUT).job
         if job is not None:
             z = job.training.zero
             c["zero"][str(z.stage)] += 1

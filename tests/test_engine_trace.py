@@ -1,0 +1,124 @@
+"""The estimator's engine side against the real allocation order of DeepSpeed 0.19.8 on the CPU.
+
+Each case is a tiny Llama job; tools/deepspeed_cpu_trace.py runs it as `memplan verify --device cpu` does (fake
+process group, DS_ACCELERATOR=cpu, the emitted DeepSpeed config, zero.Init for ZeRO-3, two optimizer steps) under
+torch's profiler, and the engine's events (memplan.estimator.engine_check) must match the ledger's CPU run
+(build_ledger(cpu_run=True)) event for event: sizes, order and which tensor each free releases.
+
+What a CPU run cannot show, and the ledger models from DeepSpeed's and torch's code instead: pinned memory
+(pin_memory is a no-op on the CPU accelerator), host→GPU copies (``t.to(device)`` of a host tensor is the tensor
+itself there: offload_param's partition copies, partition_grads' GPU staging under offload_optimizer), the host
+temporaries of CUDA's converting copies, streams, and cuBLAS workspaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from memplan.estimator import engine_check, model_check
+from memplan.hfconfig import model_from_config
+from memplan.specs import Job, Layout, TrainingSpec, ZeroSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "deepspeed_cpu_trace.py"
+STEPS = 2
+
+#: small ZeRO-3 knobs: several reduce buckets and sub-groups, no prefetch, few persistent parameters
+KNOBS = {"reduce_bucket_size": 300_000, "sub_group_size": 400_000, "stage3_prefetch_bucket_size": 0,
+         "stage3_param_persistence_threshold": 1000, "stage3_max_reuse_distance": 300_000}
+
+CASES = {
+    "z3-sgd": {"optimizer": "sgd", "zero": {"stage": 3}},
+    "z3-offload-optimizer-ga2": {"optimizer": "cpu_adam", "grad_accum": 2,
+                                 "zero": {"stage": 3, "offload_optimizer": "cpu"}},
+    "z3-offload-param-sgd": {"optimizer": "sgd", "zero": {"stage": 3, "offload_param": "cpu"}},
+    "z3-offload-all-w1": {"optimizer": "cpu_adam", "world": 1,
+                          "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
+    "z3-offload-all-knobs-w4": {"optimizer": "cpu_adam", "world": 4, "grad_accum": 2,
+                                "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", **KNOBS}},
+    "z3-knobs-w4": {"optimizer": "sgd", "world": 4, "grad_accum": 2, "zero": {"stage": 3, **KNOBS}},
+    "z1-bf16-optimizer-ga2": {"optimizer": "sgd", "grad_accum_dtype": "fp32", "grad_accum": 2, "zero": {"stage": 1}},
+    "z2-sgd": {"optimizer": "sgd", "zero": {"stage": 2}},
+}
+
+#: estimator/autograd.py recomputes a checkpointed region at its first node with a gradient; torch recomputes at
+#: the first unpack of a saved tensor (torch/utils/checkpoint.py unpack_hook), after the PreBackwardFunction of the
+#: region's last module has gathered its weight
+def tiny_job(optimizer: str, zero: dict, world: int = 2, **training) -> Job:
+    spec = model_from_config(dict(model_check.TINY["llama"]), "tiny", "tiny test config")
+    return Job(model=spec, training=TrainingSpec(seq_len=64, optimizer=optimizer, zero=ZeroSpec(**zero), loop="loss",
+                                                 **training), layout=Layout(world=world))
+
+
+#: a recompute under ZeRO-3 gathers every module's weight again, and the checkpoint keeps each gathered storage
+#: (x.detach() of the saved weight) until its node has run in backward
+CHECKPOINTED = {"optimizer": "cpu_adam", "checkpointing": "full", "zero": {"stage": 3, "offload_optimizer": "cpu"}}
+
+
+def _run(job: Job, folder: Path) -> tuple[int, str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    job_file, out = folder / "job.json", folder / "trace.json"
+    job_file.write_text(job.model_dump_json())
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(TOOL), str(job_file), str(out), str(STEPS)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, check=False)
+    return done.returncode, done.stderr[-3000:], out
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """Every case's CPU trace, recorded by concurrent tool processes (most of each is import time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = {**CASES, "z3-checkpointing": CHECKPOINTED}
+    root = tmp_path_factory.mktemp("traces")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, tiny_job(**kw), root / name) for name, kw in cases.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def assert_engine_matches(job: Job, trace) -> None:
+    rc, err, out = trace
+    assert rc == 0, err
+    real = engine_check.real_events(json.loads(out.read_text())["events"])
+    predicted = engine_check.predicted_events(job, STEPS)
+    at = engine_check.first_mismatch(real, predicted)
+    assert at is None, (f"event {at} of {len(real)} real / {len(predicted)} predicted:\n"
+                        + engine_check.describe(real, predicted, at))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_engine_events_match_cpu_trace(case, traces):
+    assert_engine_matches(tiny_job(**CASES[case]), traces[case])
+
+
+@pytest.mark.slow
+def test_zero3_checkpointing_matches_cpu_trace(traces):
+    assert_engine_matches(tiny_job(**CHECKPOINTED), traces["z3-checkpointing"])
+
+
+def test_projection_keeps_engine_tensors_and_their_frees():
+    """engine_check.real_events: engine allocations kept with their frees wherever they happen, the model's
+    own tensors and small bookkeeping left out (rows as tools/deepspeed_cpu_trace.py writes them)."""
+    rows = [
+        [4096, 1, "aten::empty", "", "init", -1],  # a parameter built by transformers
+        [8192, 2, "aten::mm", "engine.forward", "step0.micro0.forward", -1],  # an activation
+        [1024, 3, "aten::empty", "engine.forward/coord.fetch_sub_module", "step0.micro0.forward", -1],
+        [712, 4, "aten::empty", "engine.forward/coord.reset_step", "step0.micro0.forward", -1],
+        [-1024, 3, "LinearFunctionForZeroStage3Backward", "engine.backward", "step0.micro0.backward", -1],
+        [-8192, 2, "?", "engine.backward", "step0.micro0.backward", -1],
+        [-712, 4, "coord.reset_step", "engine.forward/coord.reset_step", "step0.micro0.forward", -1],
+        [256, 5, "aten::empty", "z3.step", "step0.micro0.step", -1],
+    ]
+    assert [e[0] for e in engine_check.real_events(rows)] == [4096, 1024, -1024]
