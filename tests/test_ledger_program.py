@@ -116,7 +116,7 @@ def test_zero3_hooks_see_every_module_with_its_own_parameters(tiny, attention):
     assert {m for m, _ in hooks.pre} == set(own), set(own) - {m for m, _ in hooks.pre}
 
 
-def _llama_job(stage, ckpt, loop, micro, ga, seq, world, layers):
+def _job(stage, ckpt, loop, micro, ga, seq, world, layers):
     model = load_model("llama-3.2-1b").model_copy(update={"num_layers": layers})
     training = TrainingSpec(seq_len=seq, micro_batch=micro, grad_accum=ga, dtype="bf16", checkpointing=ckpt,
                             attention="sdpa", optimizer="adamw", loop=loop, zero=ZeroSpec(stage=stage))
@@ -129,7 +129,7 @@ def _llama_job(stage, ckpt, loop, micro, ga, seq, world, layers):
        seq=st.sampled_from([256, 1024]), layers=st.integers(2, 4))
 def test_third_step_repeats_the_second(stage, ckpt, loop, micro, ga, seq, layers):
     """Two steps read what three read: the same reserved peak, the same allocated to the unsplit-block slack."""
-    job = _llama_job(stage, ckpt, loop, micro, ga, seq, 1 if stage == 0 else 4, layers)
+    job = _job(stage, ckpt, loop, micro, ga, seq, 1 if stage == 0 else 4, layers)
     assert ledger_supported(job)
     assert ledger_steps() == 2 and ledger_steps((0,)) == 3
     three = summarize(job, build_ledger(job, steps=3), timeline=False)
