@@ -54,9 +54,6 @@ CASES = {
 #: estimator/autograd.py recomputes a checkpointed region at its first node with a gradient; torch recomputes at
 #: the first unpack of a saved tensor (torch/utils/checkpoint.py unpack_hook), after the PreBackwardFunction of the
 #: region's last module has gathered its weight
-RECOMPUTE_ORDER = "autograd.run_nodes recomputes before the last module's backward fetch (torch: at the first unpack)"
-
-
 def tiny_job(optimizer: str, zero: dict, world: int = 2, **training) -> Job:
     spec = model_from_config(dict(model_check.TINY["llama"]), "tiny", "tiny test config")
     return Job(model=spec, training=TrainingSpec(seq_len=64, optimizer=optimizer, zero=ZeroSpec(**zero), loop="loss",
@@ -107,7 +104,6 @@ def test_engine_events_match_cpu_trace(case, traces):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=RECOMPUTE_ORDER)
 def test_zero3_checkpointing_matches_cpu_trace(traces):
     assert_engine_matches(tiny_job(**CHECKPOINTED), traces["z3-checkpointing"])
 

@@ -2,38 +2,117 @@
 
 For each tiny model, one micro-step (forward, loss, backward, parameter grads kept as .grad) is recorded with
 torch's profiler (memplan.verify.cputrace) and compared, event by event, with the allocations and frees the
-estimator's autograd model issues (memplan.estimator.model_check). CUDA kernels' internal temporaries and
-CPU-only scalars are left out on both sides; everything else must match exactly: sizes, order, and which
-tensor each free releases.
+estimator's autograd model issues (memplan.estimator.model_check) with the CPU's attention kernels. CUDA
+kernels' internal temporaries and CPU-only scalars are left out on both sides; everything else must match
+exactly: sizes, order, and which allocation each free releases.
 """
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from memplan.estimator import model_check
 from memplan.verify import cputrace
 
+#: (TINY config, batch, seq, dtype, attention): attn_implementation, with ":kernel" an sdpa kernel forced
+#: (torch.nn.attention.sdpa_kernel); plain sdpa runs the CPU's flash kernel (math with dropout)
 CASES = [
-    ("llama", 1, 128, False),
-    ("llama", 2, 64, False),
-    ("llama", 1, 128, True),
-    ("llama", 2, 64, True),
+    ("llama", 1, 128, "bf16", "sdpa"),
+    ("llama", 2, 64, "bf16", "sdpa"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa"),
+    ("llama_gqa", 2, 32, "fp32", "sdpa"),
+    ("llama_gqa", 1, 32, "fp16", "sdpa"),
+    ("llama_gqa", 2, 32, "bf16", "eager"),
+    ("llama_gqa", 1, 32, "fp16", "eager"),
+    ("llama_gqa", 2, 32, "fp32", "eager"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa:math"),
+    ("llama_gqa", 1, 32, "fp32", "sdpa:math"),
+    ("llama_mha", 2, 32, "bf16", "sdpa"),
+    ("llama_mha", 2, 32, "bf16", "eager"),
+    ("llama_mha", 2, 32, "bf16", "sdpa:math"),
+    ("llama_head_dim_20", 2, 32, "bf16", "sdpa"),
+    ("llama_head_dim_20", 2, 32, "fp16", "sdpa:math"),
+    ("llama_attention_bias", 2, 32, "bf16", "sdpa"),
+    ("llama_mlp_bias", 2, 32, "bf16", "sdpa"),
+    ("llama_tied", 2, 32, "bf16", "sdpa"),
+    ("llama_tied", 2, 32, "bf16", "eager"),
+    ("llama_dropout", 2, 32, "bf16", "sdpa"),
+    ("llama_dropout", 2, 32, "bf16", "eager"),
+    ("mistral", 2, 32, "bf16", "sdpa"),
+    ("mistral", 1, 30, "fp32", "sdpa"),
+    ("mistral", 2, 32, "bf16", "eager"),
+    ("mistral", 1, 32, "fp16", "sdpa:math"),
+    ("mistral_long_window", 2, 32, "bf16", "sdpa"),
+    ("qwen2", 2, 32, "bf16", "sdpa"),
+    ("qwen2", 2, 32, "bf16", "eager"),
+    ("qwen3", 2, 32, "bf16", "sdpa"),
+    ("qwen3", 1, 32, "fp32", "eager"),
+    ("mixtral", 2, 32, "bf16", "sdpa"),
+    ("mixtral", 1, 32, "fp32", "sdpa"),
+    ("mixtral", 2, 32, "bf16", "eager"),
+    ("mixtral_top1", 2, 32, "fp16", "sdpa"),
+    ("gpt2", 2, 32, "bf16", "sdpa"),
+    ("gpt2", 2, 32, "bf16", "eager"),
+    ("gpt2", 1, 32, "fp32", "eager"),
+    ("gpt2_nodrop", 2, 32, "bf16", "sdpa"),
+    ("gpt2_nodrop", 1, 32, "fp16", "sdpa:math"),
+    ("gpt_neox", 2, 32, "bf16", "sdpa"),
+    ("gpt_neox", 2, 32, "bf16", "eager"),
+    ("gpt_neox_sequential", 2, 32, "bf16", "sdpa"),
+    ("gpt_neox_sequential", 1, 32, "fp32", "eager"),
+    ("bloom", 2, 32, "bf16", "eager"),
+    ("bloom", 1, 30, "fp16", "eager"),
+    ("bloom_dropout", 2, 32, "bf16", "eager"),
+    ("bloom_dropout", 1, 32, "fp32", "eager"),
 ]
 
 
-@pytest.mark.parametrize(("family", "batch", "seq", "checkpointing"), CASES)
-def test_micro_step_matches_cpu_trace(family, batch, seq, checkpointing):
-    cfg = model_check.TINY[family]
-    model = cputrace.tiny_causal_lm(cfg, "bf16", "sdpa")
-    if checkpointing:  # transformers' default kwargs: use_reentrant=False
-        model.gradient_checkpointing_enable()
-    real = cputrace.net_events(cputrace.record(cputrace.micro_step(model, batch, seq, cfg["vocab_size"])))
-    predicted = model_check.model_events(cfg, batch=batch, seq=seq, checkpointing=checkpointing)
-    first = next((i for i in range(max(len(real), len(predicted)))
-                  if i >= len(real) or i >= len(predicted) or real[i][0] != predicted[i][0]), None)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: no per-thread reduction buffers, and CI's two cores are not oversubscribed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+#: the same, every decoder layer checkpointed the non-reentrant way (transformers' gradient_checkpointing_enable
+#: with use_reentrant=False, its default): the forward keeps handles, the backward recomputes each layer
+CHECKPOINTED = [
+    ("llama", 1, 128, "bf16", "sdpa"),
+    ("llama", 2, 64, "bf16", "sdpa"),
+    ("llama_gqa", 2, 32, "bf16", "eager"),
+    ("llama_tied", 2, 32, "fp32", "sdpa"),
+    ("mistral", 2, 32, "bf16", "sdpa"),
+    ("mistral", 1, 32, "fp16", "eager"),
+    ("qwen2", 2, 32, "bf16", "sdpa"),
+    ("qwen3", 1, 32, "bf16", "sdpa"),
+    ("mixtral", 2, 32, "bf16", "sdpa"),
+    ("mixtral_top1", 1, 32, "fp32", "eager"),
+    ("gpt2", 2, 32, "bf16", "sdpa"),
+    ("gpt2_nodrop", 2, 32, "bf16", "eager"),
+    ("gpt_neox", 2, 32, "bf16", "sdpa"),
+    ("gpt_neox_sequential", 1, 32, "fp32", "eager"),
+    ("bloom", 2, 32, "bf16", "eager"),
+    ("bloom_dropout", 1, 32, "bf16", "eager"),
+]
+
+
+@pytest.mark.parametrize(("tiny", "batch", "seq", "dtype", "attention", "checkpointing"),
+                         [(*c, False) for c in CASES] + [(*c, True) for c in CHECKPOINTED])
+def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, checkpointing):
+    cfg = model_check.TINY[tiny]
+    attention, _, kernel = attention.partition(":")
+    model = cputrace.tiny_causal_lm(cfg, dtype, attention)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    step = cputrace.micro_step(model, batch, seq, cfg["vocab_size"], sdpa_backend=kernel or None)
+    real = cputrace.net_events(cputrace.record(step))
+    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
+                                         sdpa_backend=kernel or None, checkpointing=checkpointing)
+    first = model_check.first_mismatch(real, predicted)
     assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")

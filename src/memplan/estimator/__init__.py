@@ -28,16 +28,28 @@ def _ranks_per_node(job: Job) -> int:
 
 def ledger_supported(job: Job) -> bool:
     """Whether the allocation ledger (estimator/program.py) models this job yet; others use the phase lists."""
-    from .activations import sdpa_backend
     from .families import FORWARD
 
     t, lay, m = job.training, job.layout, job.model
     return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
-            and t.dtype in ("bf16", "fp16") and sdpa_backend(m, 2, t.attention) == "flash" and t.attention != "eager"
+            and t.dtype in ("bf16", "fp16") and _attention_modelled(m, t.attention)
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
             and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers")
+
+
+def _attention_modelled(m, attention: str) -> bool:
+    """Attention the ledger models: transformers' eager path in every ported family (its ops are the same on
+    every device; event for event against the CPU trace, tests/test_ledger_trace.py) and sdpa where the one
+    dispatch rule (blocks_attention.dispatch) picks cuDNN or flash without a mask (the kernels' outputs and
+    workspaces as torch's source and the H200 traces give them, tests/test_attention_kernels.py). Not yet: the
+    masked kernels (sliding windows) and the math fallback on CUDA, which no CUDA trace has checked."""
+    from .activations import sdpa_backend
+
+    if attention == "eager":
+        return True
+    return sdpa_backend(m, 2, attention) in ("cudnn", "flash")
 
 
 def _unmodelled_fp32_accumulation(job: Job) -> bool:

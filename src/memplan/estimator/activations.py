@@ -59,16 +59,18 @@ def _layernorm(b: int, width: int, name: str, input_shared: bool = False) -> lis
 
 
 def sdpa_backend(m: ModelSpec, b: int, attention: str) -> str:
-    """The kernel torch's scaled_dot_product_attention picks (aten/src/ATen/native/transformers/sdp_utils):
-    flash for 16-bit inputs with head_dim <= 256 and a multiple of 8; else memory-efficient, which refuses
-    grouped-query attention (enable_gqa); else the math fallback. 'eager' is transformers' eager path."""
+    """The attention path of these term lists: "eager" (transformers' eager path, and BLOOM's baddbmm
+    attention), "masked" (a fused kernel given the sliding-window mask: use_gqa_in_sdpa is off, so k and v
+    are repeat_kv'd), else the CUDA kernel of the one dispatch rule (blocks_attention.dispatch: "cudnn",
+    "flash", "efficient" or "math"; cuDNN and flash save the same q, k, v, out and logsumexp)."""
+    from .blocks_attention import Geometry, dispatch
+
     if attention == "eager" or m.family == "bloom":
         return "eager"
-    if m.sliding_window is not None:  # transformers passes a mask: no flash, k/v repeated (use_gqa_in_sdpa)
-        return "masked"
-    if b == 2 and m.head_dim <= 256 and m.head_dim % 8 == 0:
-        return "flash"
-    return "efficient" if m.num_kv_heads == m.num_heads else "math"
+    masked = m.sliding_window is not None
+    g = Geometry(1, 2, m.num_heads, m.num_kv_heads, m.head_dim, b)  # the kernel does not depend on B, S > 1
+    kernel = dispatch("cuda", attention, None, g, masked, m.attention_dropout)[0]
+    return "masked" if masked and kernel != "math" else kernel
 
 
 def _attention_core(m: ModelSpec, b: int, attention: str, seq: int, qkv_fused: bool) -> list[Term]:

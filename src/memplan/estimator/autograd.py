@@ -37,25 +37,28 @@ class Storage:
 class Tensor:
     """A tensor (or a view of one): its storage, its own byte size, its grad_fn and whether it needs grad."""
 
-    __slots__ = ("is_view", "name", "nbytes", "node", "param", "requires_grad", "storage")
+    __slots__ = ("is_view", "name", "nbytes", "node", "param", "requires_grad", "slot", "storage")
 
     def __init__(self, storage: Storage | None, nbytes: int, name: str, requires_grad: bool, node=None,
-                 param: str | None = None, is_view: bool = False):
+                 param: str | None = None, is_view: bool = False, slot: int = 0):
         self.storage, self.nbytes, self.name = storage, nbytes, name
         self.requires_grad, self.node, self.param = requires_grad, node, param
         self.is_view = is_view
+        self.slot = slot  # which output of a multi-output node (chunk) this tensor is
 
 
 class Node:
     """A grad_fn: which inputs get gradients, what it saved, and its backward formula.
 
-    ``backward(ctx, grads)`` receives the incoming gradients (one per output, None where none arrived) and
-    returns one gradient per entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
+    ``backward(ctx, grad, node)`` receives the incoming gradient (for a node of ``n_out`` > 1 outputs, such as
+    SplitBackward0, a list with one entry per output, None where none arrived) and returns one gradient per
+    entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
 
-    __slots__ = ("backward", "inputs", "name", "region", "saved", "seq", "unpacked", "would_save")
+    __slots__ = ("backward", "inputs", "n_out", "name", "region", "saved", "seq", "unpacked", "would_save")
 
-    def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int):
+    def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int, n_out: int = 1):
         self.name, self.inputs, self.saved, self.backward, self.seq = name, inputs, saved, backward, seq
+        self.n_out = n_out
         self.region = None  # a checkpointed region whose saved tensors are recomputed before this node runs
         self.would_save = bool(saved)  # saved something, or would have outside a checkpointed forward
         self.unpacked = False  # its saved tensors came from a checkpoint's recompute: apply's locals own them
@@ -76,7 +79,10 @@ class Autograd:
         self.region = None  # the checkpointed region whose nodes are being recorded
         self.suppress = False  # a recompute stopped early: what follows allocates nothing
         self.stop_at: int | None = None  # index in self.nodes of the recompute's last node that saves
+        self.recomputing = False  # a checkpoint's recompute is running (its nodes are dropped afterwards)
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
+        self._param_buffers: dict[int, Tensor] = {}  # id(parameter) → gradient waiting for its AccumulateGrad
+        self._param_uses: dict[int, int] = {}  # id(parameter) → edges into its AccumulateGrad not yet run
 
     # -- storage ----------------------------------------------------------------------------------------
     def empty(self, name: str, nbytes: int, requires_grad: bool = False, component: str | None = None,
@@ -132,17 +138,32 @@ class Autograd:
         return v
 
     # -- graph ------------------------------------------------------------------------------------------
-    def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable) -> Node:
+    def _node(self, name: str, inputs: tuple, saved: tuple, backward: Callable, n_out: int = 1) -> Node:
         would_save = bool(saved)
         if not self.saving:  # torch.utils.checkpoint's saved-tensor hooks keep a handle, not the tensor
             saved = ()
         for s in saved:
             self.ref(s)
-        node = Node(name, inputs, saved, backward, len(self.nodes))
+        if not self.recomputing:  # a recompute's graph is dropped: its edges feed no AccumulateGrad
+            for t in inputs:  # edges into each parameter's AccumulateGrad
+                if t is not None and t.requires_grad and t.param is not None and t.node is None:
+                    self._param_uses[id(t)] = self._param_uses.get(id(t), 0) + 1
+        node = Node(name, inputs, saved, backward, len(self.nodes), n_out)
         node.would_save = would_save
         node.region = self.region
         self.nodes.append(node)
         return node
+
+    def split(self, t: Tensor, parts: tuple[int, ...], name: str, backward: Callable) -> list[Tensor]:
+        """Views of ``t`` (bytes ``parts``) that are the outputs of one node (chunk / split: SplitBackward0):
+        their grads wait in one InputBuffer slot each and reach ``backward`` together, as a list."""
+        node = (self._node(name, (t,), (), backward, len(parts)) if t.requires_grad and self.grad_enabled
+                else None)
+        outs = []
+        for i, nbytes in enumerate(parts):
+            v = Tensor(t.storage, nbytes, f"{name}.{i}", t.requires_grad, node, is_view=True, slot=i)
+            outs.append(self.ref(v))
+        return outs
 
     def op(self, name: str, out_bytes: int, inputs: tuple, saved: tuple = (), backward: Callable | None = None,
            component: str | None = None) -> Tensor:
@@ -164,8 +185,10 @@ class Autograd:
     def keep(self, out: Tensor, extra: Tensor) -> None:
         """Save ``extra`` for ``out``'s node too (a kernel output allocated after the op's result, such as
         flash attention's logsumexp)."""
-        if out.node is not None and self.saving:
-            out.node.saved = (*out.node.saved, self.ref(extra))
+        if out.node is not None:
+            out.node.would_save = True
+            if self.saving:
+                out.node.saved = (*out.node.saved, self.ref(extra))
 
     def backward(self, root: Tensor, grad_bytes: int) -> None:
         """loss.backward(): the gradient of ``root`` (ones_like) and every recorded node in engine order."""
@@ -182,8 +205,11 @@ class Autograd:
             grad = self._buffers.pop(id(node), None)
             if grad is None:  # nothing flowed here: the engine never schedules it
                 self._release_saved(node)
+                for inp in node.inputs:
+                    if inp is not None and inp.requires_grad and inp.param is not None and inp.node is None:
+                        self._param_grad(inp, None)
                 continue
-            if node.region is not None and not node.region.done:  # unpacking a saved tensor recomputes
+            if node.region is not None and not node.region.done and node.would_save:  # the first unpack recomputes
                 node.region.recompute()
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
@@ -193,8 +219,12 @@ class Autograd:
                     self.release(t)
                 node.saved = ()
             if outs is not grad:
-                outs = self._validate_outputs(node, outs)
-            if outs is grad:  # passthrough of the incoming gradient object
+                outs = self._validate_outputs(node, outs, grad)
+            if node.n_out > 1:  # each output's grad dies with apply's argument list
+                for g in grad:
+                    if g is not None and not any(o is g for o in outs):
+                        self.release(g)
+            elif outs is grad:  # passthrough of the incoming gradient object
                 outs = (grad,) * len(node.inputs)
                 for _ in range(len(node.inputs) - 1):
                     self.ref(grad)
@@ -205,23 +235,29 @@ class Autograd:
                 node.region.released()
             for inp, g in zip(node.inputs, outs):
                 if g is None:
+                    if inp is not None and inp.requires_grad and inp.param is not None and inp.node is None:
+                        self._param_grad(inp, None)
                     continue
                 if not inp.requires_grad:
                     self.release(g)
                 elif inp.param is not None and inp.node is None:
-                    self.on_param_grad(inp, g)  # AccumulateGrad runs next (maximum sequence number)
+                    self._param_grad(inp, g)
                 else:
                     self._push(inp, g)
         self.nodes[stop + 1:start + 1] = []
 
-    def _validate_outputs(self, node: Node, outs: tuple) -> tuple:
-        """engine.cpp validate_outputs: a grad larger than its (broadcast) input is summed down to the input's
-        size (InputMetadata::reduce_grad → sum_to): one more tensor, the full-size grad freed."""
+    def _validate_outputs(self, node: Node, outs: tuple, grad) -> tuple:
+        """engine.cpp validate_outputs, after apply, in input order: a grad larger than its input is brought to
+        the input's metadata: summed down when the input was broadcast (InputMetadata::reduce_grad →
+        at::sum_to), cast when it has a wider dtype (grad.to(metadata dtype)). Either is one more tensor of
+        the input's size, and the larger grad is freed (unless it is the incoming gradient itself, which
+        apply's argument list holds until the call returns)."""
         fixed = []
         for inp, g in zip(node.inputs, outs):
-            if g is not None and g.nbytes > inp.nbytes:
+            if g is not None and inp is not None and g.nbytes > inp.nbytes:
                 r = self.empty(f"{g.name}.reduced", inp.nbytes, component="activations")
-                self.release(g)
+                if g is not grad:
+                    self.release(g)
                 g = r
             fixed.append(g)
         return tuple(fixed)
@@ -240,28 +276,56 @@ class Autograd:
             self.release(grad)
             return
         key = id(t.node)
+        if t.node.n_out > 1:  # one slot per output
+            slots = self._buffers.setdefault(key, [None] * t.node.n_out)
+            old = slots[t.slot]
+            slots[t.slot] = grad if old is None else self._accumulate(old, grad)
+            return
         old = self._buffers.get(key)
         if old is None:
             self._buffers[key] = grad
-        elif not old.is_view and old.storage is not None and old.storage.refs == 1:
-            self.release(grad)  # old.add_(grad) in place
-        elif not grad.is_view and grad.storage is not None and grad.storage.refs == 1:
-            self.release(old)  # grad.add_(old) in place, grad becomes the buffer
-            self._buffers[key] = grad
         else:
-            total = self.empty("grad.accumulate", max(old.nbytes, grad.nbytes))
-            self.release(old)
+            self._buffers[key] = self._accumulate(old, grad)
+
+    def _accumulate(self, old: Tensor, grad: Tensor) -> Tensor:
+        """InputBuffer::accumulate for dense tensors: ``old.add_(grad)`` when the buffered gradient is a
+        plain tensor only the buffer references (can_accumulate_inplace), else ``old + grad`` (a new tensor);
+        the incoming gradient is never the one reused."""
+        if not old.is_view and old.storage is not None and old.storage.refs == 1:
             self.release(grad)
-            self._buffers[key] = total
+            return old
+        total = self.empty("grad.accumulate", max(old.nbytes, grad.nbytes))
+        self.release(old)
+        self.release(grad)
+        return total
+
+    def _param_grad(self, param: Tensor, grad: Tensor | None) -> None:
+        """A gradient for a leaf parameter (None: an edge that delivers nothing). Its AccumulateGrad node runs
+        once every edge into it has delivered (the engine's dependency count): a parameter used by several
+        nodes (tied embeddings) first sums its gradients in the node's InputBuffer."""
+        key = id(param)
+        if grad is not None:
+            old = self._param_buffers.get(key)
+            self._param_buffers[key] = grad if old is None else self._accumulate(old, grad)
+        left = self._param_uses.get(key, 1) - 1
+        self._param_uses[key] = left
+        if left <= 0:
+            self._param_uses.pop(key, None)
+            total = self._param_buffers.pop(key, None)
+            if total is not None:
+                self.on_param_grad(param, total)  # AccumulateGrad runs next (maximum sequence number)
 
     def free_graph(self) -> None:
         """Drop every node's saved tensors without running backward (a graph that goes out of scope)."""
         for node in reversed(self.nodes):
             self._release_saved(node)
         self.nodes.clear()
-        for g in self._buffers.values():
-            self.release(g)
+        for g in (*self._buffers.values(), *self._param_buffers.values()):
+            for one in (g if isinstance(g, list) else (g,)):
+                self.release(one)
         self._buffers.clear()
+        self._param_buffers.clear()
+        self._param_uses.clear()
 
 
 class _Ctx:

@@ -11,25 +11,35 @@ the caller releases its own references where the Python code's variables die.
 
 from __future__ import annotations
 
-from .autograd import Autograd, Tensor, _Ctx
+from .autograd import Autograd, Tensor, _Ctx, _passthrough
 
 FP32 = 4
 
 
-def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None
-           ) -> Tensor:
-    """nn.Linear on [.., in] → [.., out] (F.linear: mm / addmm on the 2-D view). Saves the input (and the
-    weight, a parameter). Backward (MmBackward0 / AddmmBackward0): the weight's grad [out, in] first
-    (mm_mat2_backward), then the input's grad [.., in] (mm_mat1_backward), then the bias grad (sum over T)."""
+def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None,
+           transposed: bool = True) -> Tensor:
+    """nn.Linear on [.., in] → [.., out] (F.linear: mm, or addmm with a bias, on the 2-D view). Saves the
+    input (and the weight, a parameter). torchgen emits a node's formulas in the sorted order of the input
+    names (load_derivatives.py: sorted(defn.keys())): MmBackward0 (self, mat2) computes the weight's grad
+    [out, in] first (mm_mat2_backward), then the input's [.., in] (mm_mat1_backward); AddmmBackward0
+    (self, mat1, mat2) the input's, the weight's, then the bias's (the incoming grad itself, summed to [out]
+    by the engine's validate_outputs). ``transposed``: F.linear multiplies by weight.t() (TBackward0 hands
+    the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
-    b_bytes = bias.nbytes if bias is not None else 0
 
     def backward(ctx: _Ctx, grad: Tensor, node):
-        gw = ctx.new(f"grad.{name}.weight", w_bytes) if weight.requires_grad else None
         # the input's grad reaches x through the reshape F.linear folds [.., in] into (a view of it)
-        gx = ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None
-        gb = ctx.new(f"grad.{name}.bias", b_bytes) if bias is not None and bias.requires_grad else None
-        return (gx, gw, gb) if bias is not None else (gx, gw)
+        def gx():
+            return ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None
+
+        def gw():
+            return ctx.new(f"grad.{name}.weight", w_bytes, view=transposed) if weight.requires_grad else None
+
+        if bias is None:
+            w = gw()
+            return (gx(), w)
+        i, w = gx(), gw()
+        return (i, w, grad if bias.requires_grad else None)  # summed to [out] by the engine
 
     inputs = (x, weight, bias) if bias is not None else (x, weight)
     saved = (x,) if weight.requires_grad else ()
@@ -57,8 +67,8 @@ def pow2(ag: Autograd, x: Tensor, name: str) -> Tensor:
         a = ctx.new(f"{name}.bw_pow", x.nbytes)
         b = ctx.new(f"{name}.bw_scale", x.nbytes)
         out = ctx.new(f"grad.{name}", x.nbytes)
+        ctx.free(b)  # a full expression's temporaries die last made first
         ctx.free(a)
-        ctx.free(b)
         return (out,)
 
     return ag.op(name, x.nbytes, (x,), (x,), backward)
@@ -83,8 +93,8 @@ def rsqrt(ag: Autograd, x: Tensor, name: str) -> Tensor:
         a = ctx.new(f"{name}.bw_pow", x.nbytes)
         b = ctx.new(f"{name}.bw_scale", x.nbytes)
         out = ctx.new(f"grad.{name}", x.nbytes)
+        ctx.free(b)  # a full expression's temporaries die last made first
         ctx.free(a)
-        ctx.free(b)
         return (out,)
 
     return ag.op(name, x.nbytes, (x,), ("out",), backward)
@@ -92,13 +102,18 @@ def rsqrt(ag: Autograd, x: Tensor, name: str) -> Tensor:
 
 def mul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str) -> Tensor:
     """a * c (broadcasting): MulBackward0 saves each operand the other's grad needs; each grad is grad·other
-    at the output's size (the engine's validate_outputs then reduces a broadcast operand's grad: sum_to_size)."""
+    at the output's size, the generated apply computing the formulas last input first (c's grad, then a's);
+    the engine's validate_outputs then sums a broadcast operand's grad to its size (autograd.py)."""
     def backward(ctx, grad, node):
-        # each grad at the output's size; the engine reduces broadcast ones afterwards (validate_outputs)
-        return tuple(ctx.new(f"grad.{name}", out_bytes) if t.requires_grad else None for t in (a, c))
+        full = {}
+        for t in (c, a):
+            if t.requires_grad:
+                full[id(t)] = ctx.new(f"grad.{name}", out_bytes)
+        return tuple(full.get(id(t)) for t in (a, c))
 
     saved = tuple(t for t, other in ((c, a), (a, c)) if other.requires_grad)
     return ag.op(name, out_bytes, (a, c), saved, backward)
+
 
 
 def add(ag: Autograd, a: Tensor, c: Tensor, name: str) -> Tensor:
@@ -181,8 +196,8 @@ def rotate_half_embed(ag: Autograd, x: Tensor, cos: Tensor, sin: Tensor, name: s
     c = mul(ag, rot, sin, x.nbytes, f"{name}.sin")
     ag.release(rot)
     out = add(ag, a, c, f"{name}.rope")
+    ag.release(a)  # BINARY_OP drops its left operand first
     ag.release(c)
-    ag.release(a)
     return out
 
 
@@ -191,35 +206,85 @@ def silu(ag: Autograd, x: Tensor, name: str) -> Tensor:
     return ag.op(name, x.nbytes, (x,), (x,), lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),))
 
 
-def flash_attention(ag: Autograd, q: Tensor, k: Tensor, v: Tensor, *, heads: int, kv_heads: int, seq: int,
-                    batch: int, head_dim: int, b: int, name: str) -> Tensor:
-    """torch's sdpa FLASH_ATTENTION on CUDA (aten _scaled_dot_product_flash_attention → FlashAttention-2's
-    mha_fwd / mha_bwd, Dao 2023). Forward: out [B, S, nh, d] and the fp32 logsumexp [B, nh, S]; saves q, k, v,
-    out, logsumexp. Backward: dq, dk, dv (empty_like), then mha_bwd's fp32 softmax_d [B, nh, S₁₂₈] and
-    dq_accum [B, S₁₂₈, nh, d₃₂] (S rounded up to 128, d to 32), and with grouped-query attention
-    dk_expanded / dv_expanded [B, S, nh, d] summed into dk, dv; the temporaries are freed before it returns."""
-    s128 = -(-seq // 128) * 128
-    d32 = -(-head_dim // 32) * 32
+def clone(ag: Autograd, x: Tensor, name: str) -> Tensor:
+    """x.contiguous() / a reshape that cannot view (clone + _unsafe_view): a copy of x; CloneBackward0 hands
+    the incoming grad on unchanged (and _unsafe_view's backward reshapes it: a view of a contiguous grad)."""
+    return ag.op(name, x.nbytes, (x,), (), _passthrough)
 
-    def backward(ctx, grad, node):
-        dq = ctx.new(f"grad.{name}.q", q.nbytes)
-        dk = ctx.new(f"grad.{name}.k", k.nbytes)
-        dv = ctx.new(f"grad.{name}.v", v.nbytes)
-        softmax_d = ctx.new(f"{name}.softmax_d.tmp", FP32 * batch * heads * s128)
-        dq_accum = ctx.new(f"{name}.dq_accum.tmp", FP32 * batch * s128 * heads * d32)
-        expanded = []
-        if kv_heads != heads:
-            expanded = [ctx.new(f"{name}.dk_expanded.tmp", b * batch * seq * heads * head_dim),
-                        ctx.new(f"{name}.dv_expanded.tmp", b * batch * seq * heads * head_dim)]
-        for t in (softmax_d, dq_accum, *expanded):
-            ctx.free(t)
-        return (dq, dk, dv)
 
-    # the generated node releases its saved inputs in name order (key, query, value), then its saved
-    # results last first (logsumexp, output): seen in CPU traces of the same node family
-    out = ag.op(f"{name}.out", b * batch * seq * heads * head_dim, (q, k, v), (k, q, v), backward)
-    lse = ag.empty(f"{name}.logsumexp", FP32 * batch * heads * seq)
-    ag.keep(out, lse)
-    ag.keep(out, out)
-    ag.release(lse)
+def scale(ag: Autograd, x: Tensor, name: str) -> Tensor:
+    """x * python scalar (mul.Scalar): saves nothing; MulBackward1 allocates grad·scalar (x's size)."""
+    return ag.op(name, x.nbytes, (x,), (), lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),))
+
+
+def matmul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str, copy_a: bool = False,
+           copy_c: bool = False, grad_copy: bool = False) -> Tensor:
+    """torch.matmul of two 4-D tensors [B, h, n, m] @ [B, h, m, p] (aten _matmul_impl): each operand is
+    expanded (a no-op) and reshaped to [B·h, n, m], which copies an operand whose memory is not [B·h] rows
+    (``copy_a`` / ``copy_c``: clone, CloneBackward0 passes the grad through), then bmm and _unsafe_view.
+    BmmBackward0 saves the operand each grad needs (self for mat2's, mat2 for self's) and computes, in the
+    sorted order of its input names, mat2's grad self^T·grad [B·h, m, p] then self's grad·mat2^T
+    [B·h, n, m] (derivatives.yaml bmm), each reaching its operand as a view. UnsafeViewBackward0 reshapes
+    the incoming grad to [B·h, n, p]: a copy when that grad is a transposed view (``grad_copy``)."""
+    a2 = clone(ag, a, f"{name}.self") if copy_a else ag.ref(a)
+    c2 = clone(ag, c, f"{name}.mat2") if copy_c else ag.ref(c)
+
+    def backward(ctx: _Ctx, grad: Tensor, node):
+        gc = ctx.new(f"grad.{name}.mat2", c2.nbytes, view=True) if c2.requires_grad else None
+        ga = ctx.new(f"grad.{name}.self", a2.nbytes, view=True) if a2.requires_grad else None
+        return (ga, gc)
+
+    saved = tuple(t for t, other in ((c2, a2), (a2, c2)) if other.requires_grad)  # sorted: mat2, self
+    out = ag.op(name, out_bytes, (a2, c2), saved, backward)
+    ag.release(c2)  # _matmul_impl's locals die last declared first: the reshaped mat2, then self
+    ag.release(a2)
+    if grad_copy and out.node is not None:
+        v = ag.view(out)
+        v.node.backward = lambda ctx, grad, node: (ctx.new(f"grad.{name}.reshaped", out_bytes),)
+        ag.release(out)
+        return v
+    return out
+
+
+def softmax(ag: Autograd, x: Tensor, out_bytes: int, name: str, half_to_float: bool = False) -> Tensor:
+    """F.softmax(x, -1, dtype=fp32) (aten softmax): the input cast to fp32 first (x.to(fp32), a copy freed
+    once _softmax has run; none for fp32 inputs, nor on CUDA's half_to_float path for fp16 inputs), then
+    _softmax; SoftmaxBackward0 saves its result and allocates one grad of the input's size
+    (_softmax_backward_data)."""
+    src = x if half_to_float else to_dtype(ag, x, out_bytes, f"{name}.input_fp32")
+    in_bytes = src.nbytes
+    y = ag.op(name, out_bytes, (src,), ("out",),
+              lambda ctx, grad, node: (ctx.new(f"grad.{name}", in_bytes),))
+    if not half_to_float:
+        ag.release(src)  # to_dtype's reference (x itself when it is fp32 already)
+    return y
+
+
+def safe_softmax(ag: Autograd, x: Tensor, name: str, rows: int) -> Tensor:
+    """aten _safe_softmax (the math attention's softmax): softmax (saved by SafeSoftmaxBackward0), then the
+    rows that are all -inf (x == -inf as bool, all over the last dim: [.., 1] bool) zeroed in place; the two
+    bool temporaries die in reverse order. Backward: _softmax_backward_data (x's size)."""
+    y = ag.op(name, x.nbytes, (x,), ("out",), lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),))
+    neginf = ag.empty(f"{name}.isneginf", x.nbytes // FP32)  # its input is fp32
+    masked_rows = ag.empty(f"{name}.masked_rows", rows)
+    ag.release(masked_rows)
+    ag.release(neginf)
+    return y
+
+
+def dropout(ag: Autograd, x: Tensor, p: float, b: int, name: str, device: str = "cuda") -> Tensor:
+    """F.dropout(x, p) in training (aten dropout): p == 0 returns x itself. On CUDA native_dropout
+    (Dropout.cu dropout_cuda): a bool mask, then the output; NativeDropoutBackward0 saves the mask and
+    allocates grad·mask·scale. On the CPU _dropout: noise = empty_like(x).bernoulli_().div_(), then x·noise
+    (MulBackward0 saves the noise). ``b``: bytes per element of x."""
+    if p <= 0:
+        return ag.ref(x)
+    if device == "cpu":
+        noise = ag.empty(f"{name}.noise", x.nbytes)
+        out = mul(ag, x, noise, x.nbytes, name)
+        ag.release(noise)
+        return out
+    mask = ag.empty(f"{name}.mask", x.nbytes // b)
+    out = ag.op(name, x.nbytes, (x,), (mask,), lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),))
+    ag.release(mask)
     return out

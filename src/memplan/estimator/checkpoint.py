@@ -34,15 +34,17 @@ class Region:
         outer, ag.region = ag.region, None
         # torch.utils.checkpoint's early stop: the rerun ends once the region's last saved tensor is packed
         ag.stop_at = start + self.last_saving
+        ag.recomputing = True
         out = self.run(self.x)
-        ag.region, ag.stop_at, ag.suppress = outer, None, False
+        ag.region, ag.stop_at, ag.suppress, ag.recomputing = outer, None, False, False
         twins = ag.nodes[start:]
         originals = [n for n in self.nodes]
         for orig, twin in zip(originals, twins):
             orig.saved, twin.saved = twin.saved, ()
             orig.unpacked = True
         del ag.nodes[start:]
-        ag.release(out)
+        for t in out if isinstance(out, tuple) else (out,):  # the rerun's outputs are dropped
+            ag.release(t)
         self.holders = sum(1 for n in originals if n.saved)
         if not self.holders:
             self.release_frame()

@@ -149,7 +149,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     def forward():
         if hooks is not None:
             hooks.start_forward()
-        out = forward_of(Net(ag, job.model, s, params, hooks, layer_fn))
+        out = forward_of(Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype))
         return out if hooks is None else hooks.end_forward(ag, out)
 
     stepped = []

@@ -77,23 +77,33 @@ class Net:
     """One forward's context: the autograd model, the model spec, the shape, the parameters and the hooks."""
 
     def __init__(self, ag: Autograd, m: ModelSpec, s: Shape, p: Params, hooks: ModuleHooks | None = None,
-                 layer_fn=None):
+                 layer_fn=None, attention: str = "sdpa", device: str = "cuda", dtype: str = "bf16",
+                 sdpa_backend: str | None = None):
         self.ag, self.m, self.s, self.p = ag, m, s, p
         self.hooks = hooks or ModuleHooks()
         self.layer_fn = layer_fn  # (i, x, run) → output: wraps each decoder layer (checkpointing)
+        self.attention = attention  # TrainingSpec.attention: flash, sdpa or eager
+        self.device = device  # whose kernels run: "cuda" (the estimate), "cpu" (the CPU trace comparison)
+        self.dtype = dtype  # TrainingSpec.dtype (bf16 and fp16 differ in CUDA's softmax)
+        self.sdpa_backend = sdpa_backend  # a kernel forced as torch.nn.attention.sdpa_kernel does (None: dispatch)
 
-    def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor, ...] = ()) -> Tensor:
-        """Call module ``name`` (``fn(*inputs)``, parameters ``params``) between its hooks."""
+    def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor | None, ...] = (), hooked: int = 0):
+        """Call module ``name`` (``fn(*inputs)``; ``params``: its own parameters, module.parameters(recurse=False)
+        in registration order, None entries skipped) between its hooks. ``fn`` may return a tuple of tensors;
+        ``hooked`` is the one gradients reach, which carries the module's pre-backward hook."""
         ag = self.ag
+        params = tuple(t for t in params if t is not None)
         wrapped = self.hooks.pre_forward(ag, name, params, inputs)
         out = fn(*wrapped)
         for w, x in zip(wrapped, inputs):
             if w is not x:
                 ag.release(w)
-        hooked = self.hooks.post_forward(ag, name, params, out)
-        if hooked is not out:
-            ag.release(out)
-        return hooked
+        many = isinstance(out, tuple)
+        first = out[hooked] if many else out
+        hooked_t = self.hooks.post_forward(ag, name, params, first)
+        if hooked_t is not first:
+            ag.release(first)
+        return (*out[:hooked], hooked_t, *out[hooked + 1:]) if many else hooked_t
 
     def linear(self, x: Tensor, name: str, out_features: int, bias: bool = False) -> Tensor:
         """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]."""
@@ -101,7 +111,21 @@ class Net:
         w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
         return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t), x,
-                           params=(w, b_t) if b_t is not None else (w,))
+                           params=(w, b_t))
+
+    def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
+        """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""
+        s, p = self.s, self.p
+        w, b_t = p[f"{name}.weight"], p[f"{name}.bias"]
+        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t,
+                                                    transposed=False), x, params=(w, b_t))
+
+    def layernorm(self, x: Tensor, name: str) -> Tensor:
+        """nn.LayerNorm ``name`` (weight and bias) over the hidden size of x [T, h]."""
+        from .blocks_gpt import layernorm
+        w, b_t = self.p[f"{name}.weight"], self.p[f"{name}.bias"]
+        return self.module(name, lambda z: layernorm(self.ag, z, w, b_t, self.s.tokens, self.s.b, name, self.device),
+                           x, params=(w, b_t))
 
     def rmsnorm(self, x: Tensor, name: str) -> Tensor:
         """The family's RMSNorm module ``name`` on x."""
@@ -114,6 +138,16 @@ class Net:
         return self.layer_fn(i, x, run, extras) if self.layer_fn else run(x)
 
 
+def frame_extras(*kwargs) -> tuple[Tensor, ...]:
+    """A decoder layer's tensor keyword arguments, in the order a checkpoint frame drops them (Net.layer's
+    ``extras``): its partial's kwargs dict releases its values in insertion order (the order the model passes
+    them; pass them so), a tuple (position_embeddings) its items last first; None entries are skipped."""
+    out = []
+    for k in kwargs:
+        out.extend(reversed(k) if isinstance(k, tuple) else (k,))
+    return tuple(t for t in out if t is not None)
+
+
 @dataclass
 class Output:
     """What ``*ForCausalLM.forward`` returns: the loss and the logits (the CausalLMOutputWithPast)."""
@@ -123,33 +157,93 @@ class Output:
 
 
 def positions(ag: Autograd, s: Shape) -> Tensor | None:
-    """position_ids and the packed-sequence check of create_causal_mask (masking_utils
-    find_packed_sequence_indices: diff with a prepended value, != 1, cumsum; all temporaries). Without
-    position_ids given, LlamaModel.forward makes them: arange(S) + past_seen_tokens → [1, S] int64.
-    Returns the tensor the model allocated (None when the caller passed position_ids)."""
-    rows = s.batch  # _preprocess_mask_arguments expands position_ids to the batch first
-    made = None
-    if not s.positions_given:
-        arange = ag.empty("position_ids.arange", INT64 * s.seq)
-        made = ag.empty("position_ids", INT64 * s.seq)
-        ag.release(arange)
+    """position_ids and the packed-sequence check of create_causal_mask (``position_ids`` then
+    ``packed_sequence_check``). Returns the tensor the model allocated (None when the caller passed them)."""
+    made = position_ids(ag, s)
+    packed_sequence_check(ag, s)
+    return made
+
+
+def position_ids(ag: Autograd, s: Shape) -> Tensor | None:
+    """Without position_ids given, *Model.forward makes them: arange(S) + past_seen_tokens → [1, S] int64
+    (None when the caller passed them)."""
+    if s.positions_given:
+        return None
+    arange = ag.empty("position_ids.arange", INT64 * s.seq)
+    made = ag.empty("position_ids", INT64 * s.seq)
+    ag.release(arange)
+    return made
+
+
+def packed_sequence_check(ag: Autograd, s: Shape) -> None:
+    """The packed-sequence check of create_causal_mask (masking_utils find_packed_sequence_indices on
+    position_ids expanded to the batch: diff with a prepended value, != 1, cumsum; all temporaries)."""
+    rows = s.batch
     first = ag.empty("mask.first_position", INT64 * rows)  # position_ids[:, :1] - 1
     prepended = ag.empty("mask.positions_prepended", INT64 * rows * (s.seq + 1))
     diff = ag.empty("mask.positions_diff", INT64 * rows * s.seq)
     ag.release(prepended)
     ne = ag.empty("mask.positions_ne", rows * s.seq)
     packed = ag.empty("mask.packed_sequences", INT64 * rows * s.seq)
-    for t in (ne, first, diff, packed):
+    ag.release(ne)
+    last_zero = ag.empty("mask.last_is_zero", rows)  # (packed_sequence_mask[:, -1] == 0).all(): bool [B], 0-d
+    every = ag.empty("mask.all", 1)
+    ag.release(last_zero)
+    ag.release(every)
+    for t in (first, diff, packed):
         ag.release(t)
-    return made
 
 
-def rotary(ag: Autograd, m: ModelSpec, s: Shape) -> tuple[Tensor, Tensor]:
+def causal_mask(net: Net) -> Tensor | None:
+    """create_causal_mask / create_sliding_window_causal_mask (masking_utils) after the packed-sequence check:
+    what the attention implementation gets. sdpa and flash skip it (None: is_causal) unless a sliding window
+    is not shorter than the sequence (_ignore_causal_mask_sdpa); then sdpa_mask builds a bool [1, 1, S, S]
+    (expanded to [B, 1, S, S], a view) and eager_mask turns it into the dtype's 0 / min [B, 1, S, S]
+    (torch.where). sdpa_mask's index tensors: arange(B), arange(1), arange(S) + q_offset,
+    arange(S) + kv_offset (int64), freed as it returns; the mask function is kv <= q, and with a window
+    and_masks(kv > q - window, kv <= q) (new_ones((), bool) & each, left to right)."""
+    ag, m, s = net.ag, net.m, net.s
+    window = m.sliding_window if m.sliding_window is not None and s.attn_seq >= m.sliding_window else None
+    if net.attention != "eager" and window is None:
+        return None
+    S = s.attn_seq
+    idx = [ag.empty("mask.batch_arange", INT64 * s.batch), ag.empty("mask.head_arange", INT64)]
+    for which in ("q", "kv"):
+        raw = ag.empty(f"mask.{which}_arange_raw", INT64 * S)
+        idx.append(ag.empty(f"mask.{which}_arange", INT64 * S))
+        ag.release(raw)
+    if window is None:
+        mask = ag.empty("mask.causal", S * S)  # kv_idx <= q_idx: bool [1, 1, S, S]
+    else:
+        result = ag.empty("mask.and_start", 1)  # q_idx.new_ones((), dtype=torch.bool)
+        shifted = ag.empty("mask.q_minus_window", INT64 * S)
+        inside = ag.empty("mask.in_window", S * S)
+        ag.release(shifted)
+        both = ag.empty("mask.and_window", S * S)
+        ag.release(inside)
+        ag.release(result)
+        causal = ag.empty("mask.causal", S * S)
+        mask = ag.empty("mask.and_causal", S * S)
+        ag.release(causal)
+        ag.release(both)
+    for t in idx:
+        ag.release(t)
+    if net.attention != "eager":
+        return mask
+    zero = ag.empty("mask.zero", s.b)  # torch.tensor(0.0, device=mask.device, dtype=dtype)
+    out = ag.empty("mask.eager", s.b * s.batch * S * S)  # torch.where(mask, 0, min): [B, 1, S, S]
+    ag.release(zero)
+    ag.release(mask)
+    return out
+
+
+def rotary(ag: Autograd, m: ModelSpec, s: Shape, dim: int | None = None) -> tuple[Tensor, Tensor]:
     """LlamaRotaryEmbedding.forward under no_grad: positions as fp32 [P, 1, S] (P rows of position_ids),
     freqs = inv_freq [P, d/2, 1] @ positions [P, d/2, S], emb = cat(freqs, freqs) [P, S, d], cos and sin in
     fp32 times attention_scaling, cast to the training dtype. Returns (cos, sin) [P, S, d]; every layer's
-    RoPE saves them."""
-    d, rows = m.head_dim, s.pos_batch
+    RoPE saves them. ``dim``: the rotated dims when not all of head_dim (GPTNeoXRotaryEmbedding's
+    head_dim · partial_rotary_factor)."""
+    d, rows = dim or m.head_dim, s.pos_batch
     with_grad, ag.grad_enabled = ag.grad_enabled, False
     pos = ag.empty("rope.positions", B.FP32 * rows * s.seq)
     freqs = ag.empty("rope.freqs", B.FP32 * rows * (d // 2) * s.seq)
@@ -167,20 +261,22 @@ def rotary(ag: Autograd, m: ModelSpec, s: Shape) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
-def embedding(ag: Autograd, m: ModelSpec, s: Shape, weight: Tensor) -> Tensor:
-    """nn.Embedding: the looked-up rows [T, h]. EmbeddingBackward0 (embedding_dense_backward on CUDA) builds
-    the whole table's grad [V, h] in the weight's dtype; on CUDA it first sorts the int64 indices [T]
-    (embedding_backward_cuda_kernel: sorted indices and their original positions, freed before it returns)."""
-    t = s.tokens
+def embedding(ag: Autograd, m: ModelSpec, s: Shape, weight: Tensor, rows: int | None = None,
+              name: str = "embedding", indices: Tensor | None = None) -> Tensor:
+    """nn.Embedding: the looked-up rows [rows, h] (default: the T tokens). EmbeddingBackward0
+    (embedding_dense_backward on CUDA) builds the whole table's grad [V, h] in the weight's dtype; on CUDA it
+    first sorts the int64 indices (embedding_backward_cuda_kernel: sorted indices and their original positions,
+    freed before it returns). ``indices``: the index tensor when the model made it (saved by the node)."""
+    t = s.tokens if rows is None else rows
 
     def backward(ctx, grad, node):
-        tmp = [ctx.new("embedding.sorted_indices.tmp", INT64 * t), ctx.new("embedding.orig_indices.tmp", INT64 * t)]
-        gw = ctx.new("grad.embedding.weight", weight.nbytes)
+        tmp = [ctx.new(f"{name}.sorted_indices.tmp", INT64 * t), ctx.new(f"{name}.orig_indices.tmp", INT64 * t)]
+        gw = ctx.new(f"grad.{name}.weight", weight.nbytes)
         for x in tmp:
             ctx.free(x)
         return (gw,)
 
-    return ag.op("embedding", s.b * t * m.hidden_size, (weight,), (), backward)
+    return ag.op(name, s.b * t * m.hidden_size, (weight,), (indices,) if indices is not None else (), backward)
 
 
 def causal_lm_loss(ag: Autograd, m: ModelSpec, s: Shape, logits: Tensor) -> Tensor:

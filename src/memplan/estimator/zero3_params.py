@@ -235,9 +235,15 @@ class Zero3Params(ModuleHooks):
             return inputs
         names = tuple(dict.fromkeys(t.param for t in params))
         self.fetch(names)
-        # PostBackwardFunctionModule on the inputs: after the module's backward, release it
-        return tuple(ag.marker(x, lambda names=names: self.release(names)) if x.requires_grad else x
-                     for x in inputs)
+        # PostBackwardFunctionModule on each input that requires grad: once all their grads are computed
+        # (module.ds_grads_remaining back to 0), release the module's parameters
+        remaining = [sum(1 for x in inputs if x.requires_grad)]
+
+        def after_backward():
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self.release(names)
+        return tuple(ag.marker(x, after_backward) if x.requires_grad else x for x in inputs)
 
     def post_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], output: Tensor) -> Tensor:
         if getattr(ag, "suppress", False):

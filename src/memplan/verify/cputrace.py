@@ -10,6 +10,7 @@ the real code. Imports torch and transformers inside functions only.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -37,14 +38,12 @@ class Event:
 
 def record(fn, *, warmup: bool = True) -> list[Event]:
     """Run ``fn()`` under the profiler and return its allocation events (scalars dropped), in order."""
-    import gc
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     if warmup:
         fn()
-    gc.collect()
+    gc.collect()  # garbage of earlier models is not freed inside the recording
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -68,6 +67,8 @@ def record(fn, *, warmup: bool = True) -> list[Event]:
         inner = [(k, o) for k, o in enumerate(ops) if o[0] <= ts <= o[1]]
         name = min(inner, key=lambda ko: ko[1][1] - ko[1][0])[1][2] if inner else "?"
         kernels = [k for k, o in inner if any(d in o[2] for d in DEVICE_KERNELS)]
+        if any(o[2] in COMPOSITE_KERNELS for _, o in inner):
+            kernels = []
         kernel = max(kernels, key=lambda k: ops[k][1] - ops[k][0]) if kernels else -1
         out.append(Event(int(a["Bytes"]), name, int(a["Addr"]), kernel))
     return out
@@ -99,33 +100,61 @@ def tiny_causal_lm(config: dict, dtype: str = "bf16", attention: str = "eager"):
 
 
 #: kernels whose internal temporaries differ between the CPU and CUDA (the estimator models CUDA's)
-DEVICE_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "embedding_dense_backward", "embedding_backward", "aten::cumsum")
+DEVICE_KERNELS = ("scaled_dot_product", "embedding_dense_backward", "embedding_backward", "aten::cumsum",
+                  "aten::sort", "aten::histc", "aten::_grouped_mm", "aten::native_layer_norm_backward")
+#: composite kernels inside those: the same aten ops on every device, so everything in them is compared
+COMPOSITE_KERNELS = ("aten::_scaled_dot_product_attention_math",)
 
 
-def net_events(events: list[Event]) -> list[tuple[int, str]]:
-    """(±bytes, op) of every event, except temporaries allocated and freed inside one device kernel."""
-    dropped = set()
+def net_events(events: list[Event]) -> list[tuple[int, str, int]]:
+    """(±bytes, op, partner) of every event, except temporaries allocated and freed inside one device kernel
+    and frees of blocks allocated before the recording (a previous model's garbage collected meanwhile).
+    ``partner`` is, for a free, the index (in the returned list) of the allocation it frees; -1 for an
+    allocation."""
+    freed_inside = set()
+    stray = set()
     open_at: dict[int, int] = {}
+    partner: dict[int, int] = {}
     for i, e in enumerate(events):
         if e.delta_bytes > 0:
             open_at[e.addr] = i
         elif e.addr in open_at:
             j = open_at.pop(e.addr)
+            partner[i] = j
             if e.kernel >= 0 and events[j].kernel == e.kernel:
-                dropped.update((i, j))
-        else:  # a block allocated before recording (garbage from earlier work): not part of the step
-            dropped.add(i)
-    return [(e.delta_bytes, e.op) for i, e in enumerate(events) if i not in dropped]
+                freed_inside.update((i, j))
+        else:
+            stray.add(i)
+    kept = [i for i in range(len(events)) if i not in freed_inside and i not in stray]
+    index = {i: k for k, i in enumerate(kept)}
+    return [(events[i].delta_bytes, events[i].op, index[partner[i]] if i in partner else -1) for i in kept]
 
 
-def micro_step(model, batch: int, seq: int, vocab: int, keep_outputs: bool = False):
+#: memplan's sdpa kernel names → torch.nn.attention.SDPBackend members
+SDPA_BACKENDS = {"math": "MATH", "cpu_flash": "FLASH_ATTENTION"}
+
+
+def micro_step(model, batch: int, seq: int, vocab: int, keep_outputs: bool = False, sdpa_backend: str | None = None):
     """One forward + backward as the loss loop (or, ``keep_outputs``, the outputs loop) runs it; parameter
-    grads are reset to None first, so every grad is stolen fresh (AccumulateGrad's first-grad path)."""
+    grads are reset to None first, so every grad is stolen fresh (AccumulateGrad's first-grad path).
+    ``sdpa_backend`` (a key of SDPA_BACKENDS) restricts F.scaled_dot_product_attention to that kernel."""
+    import contextlib
+
     import torch
 
     ids = torch.randint(0, vocab, (batch, seq))
 
+    def context():
+        if sdpa_backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[sdpa_backend])])
+
     def run():
+        with context():
+            step()
+
+    def step():
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids)
         if keep_outputs:

@@ -1,42 +1,76 @@
-"""Llama-style decoder models (transformers 5.17 modeling_llama.py and its copies: mistral, qwen2, qwen3).
+"""Llama-style decoder models: transformers 5.17 modeling_llama.py and its copies (modular files): mistral
+(a sliding-window mask), qwen2 (q/k/v biases; the mask mapping), qwen3 (q_norm / k_norm per head before RoPE).
 
-``forward`` is ``LlamaForCausalLM.forward``: LlamaModel (embed_tokens, position_ids, the mask checks, the
-rotary tables, each LlamaDecoderLayer, the final norm), lm_head, ForCausalLMLoss. Symbols as in blocks.py.
+``forward`` is ``LlamaForCausalLM.forward``: LlamaModel (embed_tokens, position_ids, the mask, the rotary
+tables, each LlamaDecoderLayer, the final norm), lm_head, ForCausalLMLoss. ``layer`` takes the MLP as a
+function so that Mixtral (families/mixtral.py) reuses the rest. Symbols as in blocks.py.
 """
 
 from __future__ import annotations
 
 from .. import blocks as B
+from .. import blocks_attention as A
 from ..autograd import Tensor
-from ..transformer import Net, Output, causal_lm_loss, embedding, logits_comp, positions, rotary
+from ..transformer import (
+    Net,
+    Output,
+    causal_lm_loss,
+    causal_mask,
+    embedding,
+    frame_extras,
+    logits_comp,
+    positions,
+    rotary,
+)
 
 
-def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor) -> Tensor:
-    """LlamaAttention.forward: q/k/v projections viewed as [B, heads, S, d], RoPE on q and k, the attention
-    kernel, the output projection."""
-    ag, m, s = net.ag, net.m, net.s
+def geometry(net: Net) -> A.Geometry:
+    """The attention call's sizes."""
+    m, s = net.m, net.s
+    return A.Geometry(s.batch, s.attn_seq, m.num_heads, m.num_kv_heads, m.head_dim, s.b)
+
+
+def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None
+              ) -> tuple[Tensor, Tensor | None]:
+    """LlamaAttention.forward: q/k/v projections viewed as [B, heads, S, d] (Qwen3: each RMSNorm'd per head
+    first), RoPE on q and k, the attention interface (eager or sdpa), the output projection; the locals
+    (q, k, v) die as it returns, after o_proj. Returns the output and attn_weights (eager's; None for sdpa)."""
+    ag, m = net.ag, net.m
     pre = f"model.layers.{i}.self_attn"
+    g = geometry(net)
+    dropout = m.attention_dropout
+    v_copies = A.grad_copies(net, g, mask is not None, dropout)[2]
     proj = []
     for which, width in (("q", m.q_dim), ("k", m.kv_dim), ("v", m.kv_dim)):
         z = net.linear(x, f"{pre}.{which}_proj", width, m.attention_bias)
-        # .view(hidden_shape).transpose(1, 2): q and k reach RoPE, whose grads come back in the kernel's
-        # [B, heads, S, d] layout, so the view's backward (a reshape of the transposed grad) copies them
-        proj.append(B.heads_view(ag, z, copy_grad=which != "v"))
+        # .view(hidden_shape).transpose(1, 2): q and k reach RoPE, whose grads come back contiguous in the
+        # [B, heads, S, d] layout, so the view's backward (a reshape of the transposed grad) copies them; v's
+        # grad comes back in [B, S, heads, d] memory from flash / efficient, contiguous from eager / math
+        copy = which != "v" or v_copies
+        if m.qk_norm and which != "v":  # Qwen3: q_norm(q_proj(x).view(hidden_shape)).transpose(1, 2)
+            zv = B.heads_view(ag, z, copy_grad=copy)  # the norm's grad keeps the transposed layout
+            ag.release(z)
+            z = net.rmsnorm(zv, f"{pre}.{which}_norm")
+            ag.release(zv)
+            copy = False  # .transpose(1, 2) of the norm's output: its backward is a view
+        proj.append(B.heads_view(ag, z, copy_grad=copy))
         ag.release(z)
     qv, kv, vv = proj
     qr = B.rotate_half_embed(ag, qv, cos, sin, f"{pre}.q")
     kr = B.rotate_half_embed(ag, kv, cos, sin, f"{pre}.k")
     ag.release(qv)
     ag.release(kv)
-    out = B.flash_attention(ag, qr, kr, vv, heads=m.num_heads, kv_heads=m.num_kv_heads, seq=s.attn_seq,
-                            batch=s.batch, head_dim=m.head_dim, b=s.b, name=f"{pre}.attn")
-    o_in = ag.view(out)  # transpose(1, 2).contiguous() and reshape: already [B, S, nh, d]
+    if net.attention == "eager":
+        out, weights = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
+    else:
+        out, weights = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn"), None
+    o_in = ag.view(out)  # attn_output.reshape(*input_shape, -1).contiguous(): already [B, S, nh·d]
     ag.release(out)
     y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
     ag.release(o_in)  # attn_output rebound to o_proj's output
     for z in (qr, kr, vv):  # the function returns: query/key/value_states die
         ag.release(z)
-    return y
+    return y, weights
 
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
@@ -55,13 +89,13 @@ def mlp(net: Net, x: Tensor, i: int) -> Tensor:
     return y
 
 
-def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor) -> Tensor:
+def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None, mlp_fn=mlp) -> Tensor:
     """LlamaDecoderLayer.forward; ``x`` stays referenced by the caller during the call."""
     ag = net.ag
     pre = f"model.layers.{i}"
     residual = ag.ref(x)
     h = net.rmsnorm(x, f"{pre}.input_layernorm")
-    a = attention(net, h, i, cos, sin)
+    a, weights = attention(net, h, i, cos, sin, mask)  # hidden_states, _ = self.self_attn(...)
     ag.release(h)
     h = B.add(ag, residual, a, f"{pre}.attn_residual")
     ag.release(a)
@@ -69,30 +103,45 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor) -> Tensor:
     residual = ag.ref(h)
     h2 = net.rmsnorm(h, f"{pre}.post_attention_layernorm")
     ag.release(h)
-    y = mlp(net, h2, i)
+    y = mlp_fn(net, h2, i)
     ag.release(h2)
     out = B.add(ag, residual, y, f"{pre}.mlp_residual")
     ag.release(y)
-    ag.release(residual)
+    ag.release(residual)  # the frame's locals die in co_varnames order: residual, then _ (attn_weights)
+    ag.release(weights)
     return out
 
 
-def forward(net: Net) -> Output:
+def layer_extras(m, mask: Tensor | None, cos: Tensor, sin: Tensor, pos_ids: Tensor | None) -> tuple[Tensor, ...]:
+    """The decoder layer's tensor keyword arguments as *Model.forward passes them (Llama and Qwen2/3:
+    attention_mask, position_embeddings, position_ids; Mistral and Mixtral: attention_mask, position_ids,
+    position_embeddings)."""
+    if m.family in ("mistral", "mixtral"):
+        return frame_extras(mask, pos_ids, (cos, sin))
+    return frame_extras(mask, (cos, sin), pos_ids)
+
+
+def forward(net: Net, mlp_fn=mlp) -> Output:
     """LlamaForCausalLM.forward(input_ids, labels): the output object (loss and logits)."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
     w = p["model.embed_tokens.weight"]
     emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, w), params=(w,))
     pos_ids = positions(ag, s)
+    mask = causal_mask(net)
     cos, sin = rotary(ag, m, s)
     hidden = ag.ref(emb)
     for i in range(m.num_layers):
-        extras = (cos, sin) if pos_ids is None else (cos, sin, pos_ids)  # the layer's tensor arguments
-        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin), extras)
+        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin, mask, mlp_fn),
+                        layer_extras(m, mask, cos, sin, pos_ids))
         ag.release(hidden)
         hidden = new
     normed = net.rmsnorm(hidden, "model.norm")
     ag.release(hidden)
-    for t in (pos_ids, emb, cos, sin):  # LlamaModel.forward returns: its locals die in co_varnames order
+    # *Model.forward returns: its locals die in co_varnames order. Llama / Mistral: position_ids,
+    # inputs_embeds, causal_mask, position_embeddings. Qwen2 / Qwen3 keep the mask in causal_mask_mapping and
+    # inputs_embeds / position_ids in mask_kwargs (dict values die in insertion order), both after the args.
+    order = (mask, emb, pos_ids) if m.family in ("qwen2", "qwen3") else (pos_ids, emb, mask)
+    for t in (*order, cos, sin):
         ag.release(t)
     head_in = ag.view(normed)  # hidden_states[:, slice(0, None), :]
     ag.release(normed)
