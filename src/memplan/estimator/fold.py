@@ -2,17 +2,19 @@
 
 The ledger's cost grows with layers × micro-steps; `plan` meets jobs of 64–512 micro-steps per optimizer step.
 Between two optimizer steps every micro-step but the last (the boundary: reduction and step) runs the same
-code, so it issues the same allocations; once one of them leaves the caching allocator in the state it found
-(or, where the loop keeps the previous output alive across the next forward, the state of two micro-steps
-before: period 2), every further one does the same and reads the same peaks. So the job is built with K
-micro-steps (K of ga's parity, from FOLD_START) and kept when, in every optimizer step,
-- the events of micro-steps K−3 and K−2 are the same (sizes, streams, and which tensor each free releases: one
-  made in the span, by its place, or one live before it, by its rank among the live ones), and
-- the allocator's state at the start of the boundary micro-step K−1 equals its state at the start of K−2
-  (period 1) or K−3 (period 2, ga − K even) — memplan.allocator's ``signatures``.
-Then the ga − K micro-steps left out would repeat a fixed point: the peaks are those of the full job. The
-boundary micro-step's phases are renamed micro{ga−1}, as verify names them. If no K < ga qualifies, the job
-is built whole. tests/test_ledger_fold.py checks folded against whole ledgers.
+code, so it issues the same allocations. The caching allocator is deterministic: once the state at the start of
+micro-step m2 equals the state at the start of an earlier m1 (memplan.allocator's ``signatures``), the states
+cycle with period p = m2 − m1 from there on (p = 1 for most jobs, 2 where the loop keeps the previous output
+alive across the next forward, longer where blocks drift through the free lists). So the job is built with K
+micro-steps, K − 1 ≥ m2 (a whole cycle is built) and K − 1 ≡ ga − 1 (mod p) (the boundary starts from the state
+the whole job's boundary starts from), and kept when, in every optimizer step,
+- a cycle (m1 ≥ 1, m2) is found among the built non-boundary micro-steps with that congruence, and
+- the events of micro-steps m1 and m1 + 1 are the same (sizes, streams, and which tensor each free releases:
+  one made in the span, by its place, or one live before it, by its rank among the live ones).
+Then the micro-steps left out repeat states already built: the peaks are those of the full job. The boundary
+micro-step's phases are renamed micro{ga−1}, as verify names them. Probes double K (FOLD_START, 2·FOLD_START,
+…) so that a job whose cycle is long costs at most about twice the build that finds it; if none below ga
+qualifies, the job is built whole. tests/test_ledger_fold.py checks folded against whole ledgers.
 """
 
 from __future__ import annotations
@@ -54,17 +56,50 @@ def _roles(L: Ledger, start: int, stop: int) -> list[tuple]:
     return out
 
 
-def _periodic(L: Ledger, sim, steps: int, K: int, ga: int) -> bool:
+def _cycle(sigs: dict, s: int, built: int) -> tuple[int, int] | None:
+    """(m1, p): the first repeat of step ``s``'s allocator state among the starts of micro-steps 1..built−1."""
+    seen: dict = {}
+    for m in range(1, built):
+        sig = sigs.get(f"step{s}.micro{m}.forward")
+        if sig is None or sig[0] is None:
+            return None
+        if sig in seen:
+            return seen[sig], m - seen[sig]
+        seen[sig] = m
+    return None
+
+
+def _fold_size(cycles: list[tuple[int, int]], ga: int) -> int | None:
+    """The fewest micro-steps K < ga with K − 1 past every cycle's first repeat and congruent to ga − 1."""
+    for K in range(_least(cycles), ga):
+        if _fits(cycles, K, ga):
+            return K
+    return None
+
+
+def _least(cycles: list[tuple[int, int]]) -> int:
+    """Micro-steps a build needs to show its cycles: through m1 + p, and m1 + 1 before the boundary."""
+    return max(max(m1 + p, m1 + 2) for m1, p in cycles) + 1
+
+
+def _fits(cycles: list[tuple[int, int]] | None, K: int, ga: int) -> bool:
+    """Whether a build of K micro-steps with these cycles reads the whole job's peaks (module docstring)."""
+    return (cycles is not None and K >= _least(cycles)
+            and all((K - 1 - m1) % p == (ga - 1 - m1) % p for m1, p in cycles))
+
+
+def _cycles(L: Ledger, sim, steps: int, built: int) -> list[tuple[int, int]] | None:
     sigs = dict(sim.signatures)
+    out = []
     for s in range(steps):
-        names = [f"step{s}.micro{m}.forward" for m in (K - 3, K - 2, K - 1)]
-        if any(n not in sigs for n in names) or sigs[names[2]][0] is None:
-            return False
-        if _roles(L, *_span(L, f"step{s}.micro{K - 3}.")) != _roles(L, *_span(L, f"step{s}.micro{K - 2}.")):
-            return False
-        if not (sigs[names[2]] == sigs[names[1]] or ((ga - K) % 2 == 0 and sigs[names[2]] == sigs[names[0]])):
-            return False
-    return True
+        c = _cycle(sigs, s, built)
+        if c is None:
+            return None
+        m1 = c[0]
+        if _roles(L, *_span(L, f"step{s}.micro{m1}.")) != _roles(L, *_span(L, f"step{s}.micro{m1 + 1}.")):
+            return None
+        out.append(c)
+    return out
 
 
 def _relabel(L: Ledger, sim, K: int, ga: int):
@@ -82,13 +117,24 @@ def folded(job: Job, build, steps: int, skipped, config):
     ga = job.training.grad_accum
     if ga <= FOLD_ABOVE or config.expandable_segments or config.garbage_collection_threshold:
         return None
-    K = FOLD_START + (ga - FOLD_START) % 2
-    while K < ga:
+
+    def run(K: int):
         short = job.model_copy(update={"training": job.training.model_copy(update={"grad_accum": K})})
         L = build(short, steps, skipped)
-        labels = [f"step{s}.micro{m}.forward" for s in range(steps) for m in (K - 3, K - 2, K - 1)]
-        sim = simulate(L, config, signatures=labels)
-        if sim.oom is None and _periodic(L, sim, steps, K, ga):
-            return L, _relabel(L, sim, K, ga)
-        K += 2
+        labels = [f"step{s}.micro{m}.forward" for s in range(steps) for m in range(K)]
+        return L, simulate(L, config, signatures=labels)
+
+    probe = FOLD_START
+    while probe < ga:
+        L, sim = run(probe)
+        if sim.oom is not None:
+            return None
+        cycles = _cycles(L, sim, steps, probe)
+        K = None if cycles is None else _fold_size(cycles, ga)
+        if K is not None:
+            if K != probe:
+                L, sim = run(K)
+            if sim.oom is None and _fits(_cycles(L, sim, steps, K), K, ga):
+                return L, _relabel(L, sim, K, ga)
+        probe *= 2
     return None
