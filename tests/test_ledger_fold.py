@@ -36,3 +36,18 @@ def test_folding_happens_on_a_plain_job():
     """A ZeRO-2 job of 16 micro-steps folds (the check above is not vacuous)."""
     job = _job(2, "none", "loss", 1, 16, 256, 4, 2)
     assert folded(job, _build, 2, (), allocator_config(job)) is not None
+
+
+@settings(max_examples=6, deadline=None)
+@given(stage=st.sampled_from([1, 3]), loop=st.sampled_from(["outputs", "loss"]), ga=st.integers(13, 41),
+       seq=st.sampled_from([256, 1024]))
+def test_long_accumulation_folds_exactly(stage, loop, ga, seq):
+    """Past the first probes (K doubling from FOLD_START, any cycle period): folded equals whole."""
+    job = _job(stage, "none", loop, 1, ga, seq, 4, 2)
+    short = folded(job, _build, 2, (), allocator_config(job))
+    if short is None:
+        return
+    whole = summarize(job, build_ledger(job, steps=2))
+    got = summarize(job, short[0], sim=short[1])
+    assert (got.peak_allocated_bytes, got.peak_reserved_bytes, got.peak_phase) == (
+        whole.peak_allocated_bytes, whole.peak_reserved_bytes, whole.peak_phase)
