@@ -9,7 +9,7 @@ activations.py and head.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..specs import Job
@@ -28,7 +28,31 @@ CUBLAS_WORKSPACE_BYTES = 64 * MiB
 
 
 def model_states(job: Job, share: RankShare, rank0: bool = False) -> States:
-    """Resolve the ZeRO stage's state bytes for this rank (``rank0``: rank 0 instead of the most loaded)."""
+    """Resolve the ZeRO stage's state bytes for this rank (``rank0``: rank 0 instead of the most loaded).
+
+    The stage's groups hold the trainable parameters (``share.params``); frozen ones stay model parameters
+    in the training dtype beside them (_with_frozen)."""
+    return _with_frozen(_trained_states(job, share, rank0), job, share)
+
+
+def _with_frozen(st: States, job: Job, share: RankShare) -> States:
+    """Add the frozen parameters, which no optimizer group holds: DeepSpeedZeroOptimizer builds bit16_groups
+    from the params that require grad (stage_1_and_2.py __init__: trainable_parameters), FP16_Optimizer and
+    BF16_Optimizer flatten the param groups deepspeed.initialize was given (the trainable ones), and ZeRO-3's
+    zero.Init partitions every parameter while DeepSpeedZeroOptimizer_Stage3._get_trainable_parameter_groups
+    keeps only the optimized ones (no fp32, gradient or optimizer partition for the rest)."""
+    if not share.frozen:
+        return st
+    b = dtype_bytes(job.training.dtype)
+    if job.training.zero.stage < 3:
+        return replace(st, params_16bit=st.params_16bit + b * share.frozen)
+    frozen = b * share.zero3_frozen_partition
+    if job.training.zero.offload_param != "none":  # the partitions live in host memory
+        return replace(st, host_bytes=st.host_bytes + frozen)
+    return replace(st, params_16bit=st.params_16bit + frozen)
+
+
+def _trained_states(job: Job, share: RankShare, rank0: bool) -> States:
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
     g = dtype_bytes(t.grad_accum_dtype or t.dtype)
