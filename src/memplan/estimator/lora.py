@@ -116,8 +116,12 @@ _NORMED_SUFFIXES = (".normed", ".fp32_normed")
 _SHARED_TERMS: dict[str, tuple[Role, int]] = {
     "mlp.gate_up_act_prod": ("mlp_out", 4), "moe.shared_gate_up_act_prod": ("mlp_out", 4),
     "moe.act_and_product": ("mlp_out", 2)}
-#: the first norm of a layer (its input is the layer's input)
+#: the first norm of a layer (its input is the layer's input), and the branches a layer's input feeds
 _FIRST_NORMS = ("input_layernorm.", "ln_1.")
+_ATTENTION_BRANCH = ("attn.", "q_norm.", "k_norm.", "mla.")
+_MLP_BRANCH = ("post_attention_layernorm.", "ln_2.", "mlp.", "moe.")
+_ATTENTION_ROLES = ("attn_in", "attn_out", "attn_latent")
+_MLP_ROLES = ("mlp_in", "mlp_out", "router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,42 +137,76 @@ def _layer(ts: TrainSet, model: ModelSpec, layer: int | None) -> _Layer:
     weights = {t.role for t, trains in ts.tensors if trains and t.layer == layer and not t.is_bias
                and ".lora_" not in t.name}
     adapted = tuple((w.role, _in_out(model, w)[0]) for w in ts.adapted if w.layer == layer)
-    norms = any(trains and t.role == "norm" and not t.is_bias
-                for t, trains in ts.tensors if t.layer == layer)
+    norms = any(trains and t.role == "norm" and not t.is_bias for t, trains in ts.tensors if t.layer == layer)
     return _Layer(frozenset(weights), adapted, norms)
 
 
-def _input_kept(place: _Layer, role: str, dropout: float) -> bool:
-    """A linear input stays saved when a training base weight reads it, or lora_A reads it undropped."""
-    return role in place.weights or (dropout == 0 and any(r == role for r, _ in place.adapted))
+def _input_kept(place: _Layer, role: str, dropout: float, shared_input: bool) -> bool:
+    """A linear input stays saved when a training base weight reads it, or lora_A reads it as it is (no
+    dropout, and the adapter in the training dtype: ``shared_input``)."""
+    return role in place.weights or (shared_input and dropout == 0 and any(r == role for r, _ in place.adapted))
 
 
-def apply(terms: tuple[Term, ...], place: _Layer, b: int, lora: LoraSpec | None,
-          input_requires_grad: bool = True) -> tuple[Term, ...]:
+def _trains_in(place: _Layer, roles: tuple[str, ...]) -> bool:
+    return any(r in place.weights for r in roles) or any(r in roles for r, _ in place.adapted)
+
+
+def _grad_free(name: str, place: _Layer, parallel_residual: bool) -> bool:
+    """In a layer whose input does not require grad: the terms no gradient flows through. The first norm
+    keeps only its weight's input; a branch without a training weight or an adapter keeps nothing (the
+    attention's, and an MLP fed by the layer's input directly: a parallel residual, or a grad-free attention)."""
+    if name.endswith(_NORMED_SUFFIXES):
+        return False
+    if name.startswith(_FIRST_NORMS):
+        return True
+    attention_free = not _trains_in(place, _ATTENTION_ROLES)
+    if name.startswith(_ATTENTION_BRANCH):
+        return attention_free
+    if name.startswith(_MLP_BRANCH):
+        return (parallel_residual or attention_free) and not _trains_in(place, _MLP_ROLES)
+    return False
+
+
+def apply(terms: tuple[Term, ...], place: _Layer, b: int, lora: LoraSpec | None, input_requires_grad: bool = True,
+          adapter_bytes: int | None = None, parallel_residual: bool = False) -> tuple[Term, ...]:
     """``terms`` (what full training saves) as a frozen base with these adapters saves them: the module
-    docstring's rule, written once for the layers and for the head."""
+    docstring's rule, written once for the layers and for the head. ``adapter_bytes``: the adapters' dtype
+    (b, or 4 where peft's fp32 adapters stay fp32: adapter_dtype_bytes); x is cast to it before lora_A."""
     dropout = lora.dropout if lora is not None else 0.0
+    a = adapter_bytes or b
+    shared = a == b
     out: list[Term] = []
     for t in terms:
         role = _WEIGHT_GRAD_INPUTS.get(t.name)
-        if role is not None and not _input_kept(place, role, dropout):
+        if role is not None and not _input_kept(place, role, dropout, shared):
             continue
         if t.name.endswith(_NORMED_SUFFIXES) and not place.norms:
             continue
-        if not input_requires_grad and t.name.startswith(_FIRST_NORMS) and not t.name.endswith(_NORMED_SUFFIXES):
+        if not input_requires_grad and _grad_free(t.name, place, parallel_residual):
             continue
-        shared = _SHARED_TERMS.get(t.name)
-        if shared is not None and not _input_kept(place, shared[0], dropout):
-            t = Term(t.name, t.bytes_per_token - t.bytes_per_token // shared[1],
+        kept = _SHARED_TERMS.get(t.name)
+        if kept is not None and not _input_kept(place, kept[0], dropout, shared):
+            t = Term(t.name, t.bytes_per_token - t.bytes_per_token // kept[1],
                      t.detail + " (the frozen down projection's input not kept)")
         out.append(t)
     if lora is not None:
         for role, n_in in place.adapted:
-            out.append(Term(f"lora.{role}.a_out", b * lora.rank, f"lora_A output [T, {lora.rank}] (lora_B input)"))
-            if dropout > 0:
-                out.append(Term(f"lora.{role}.dropout", (b + DROPOUT_MASK_BYTES) * n_in,
-                                f"dropout(x) [T, {n_in}] (lora_A input) and its bool mask"))
+            out.append(Term(f"lora.{role}.a_out", a * lora.rank, f"lora_A output [T, {lora.rank}] (lora_B input)"))
+            if dropout > 0 or not shared:
+                mask = DROPOUT_MASK_BYTES if dropout > 0 else 0
+                out.append(Term(f"lora.{role}.a_input", (a + mask) * n_in,
+                                f"dropout(x.to(adapter dtype)) [T, {n_in}] (lora_A input){' and its mask' * bool(mask)}"))
     return tuple(out)
+
+
+def adapter_dtype_bytes(training: TrainingSpec) -> int:
+    """Bytes per element of the adapter weights: get_peft_model's autocast_adapter_dtype makes them fp32
+    (peft/tuners/tuners_utils.py _cast_adapter_dtype); DeepSpeedEngine._configure_distributed_model casts
+    every parameter to the training dtype (_cast_module_mixed_precision), except in a zero.Init model
+    (ZeRO-3), whose adapters, created after zero.Init, stay fp32."""
+    from ..units import dtype_bytes
+
+    return 4 if training.zero.stage == 3 else dtype_bytes(training.dtype)
 
 
 def layer_place(training: TrainingSpec, model: ModelSpec, layer: int = 0) -> _Layer:
@@ -188,3 +226,34 @@ def input_requires_grad(training: TrainingSpec, model: ModelSpec) -> bool:
         return True
     ts = job_train_set(training, model)
     return any(trains and t.role in ("embedding", "position") for t, trains in ts.tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedDeltas:
+    """What a frozen base and adapters change in the saved bytes per token against full training."""
+
+    layer: int  # every transformer layer (layer 0's terms)
+    first_layer: int  # layer 0 again when its input does not require grad (no checkpointing)
+    head: int  # outside the layers: embedding, final norm, lm_head
+
+
+@lru_cache(maxsize=1024)
+def saved_deltas(training: TrainingSpec, model: ModelSpec, seq: int, ulysses: bool) -> SavedDeltas:
+    """apply() on layer 0's and the head's terms, as differences (0 for full training)."""
+    from ..units import dtype_bytes
+    from . import head
+    from .activations import layer_terms
+
+    if trains_everything(training):
+        return SavedDeltas(0, 0, 0)
+    b = dtype_bytes(training.dtype)
+    terms = layer_terms(model, b, training.attention, seq, ulysses, 0)
+    place = layer_place(training, model)
+    full = sum(t.bytes_per_token for t in terms)
+    a, pr = adapter_dtype_bytes(training), model.parallel_residual
+    layer = sum(t.bytes_per_token for t in apply(terms, place, b, training.lora, True, a, pr))
+    first = sum(t.bytes_per_token for t in apply(terms, place, b, training.lora,
+                                                 input_requires_grad(training, model), a, pr))
+    outside = head.saved_terms(model, b, seq)
+    adapted_head = sum(t.bytes_per_token for t in apply(outside, head_place(training, model), b, training.lora))
+    return SavedDeltas(layer - full, first - layer, adapted_head - sum(t.bytes_per_token for t in outside))

@@ -17,6 +17,7 @@ from ..units import MiB, dtype_bytes
 from . import activations as act
 from . import head
 from .layout import RankShare, rank_share
+from .lora import saved_deltas
 from .states import States, bf16_optimizer, stage0, stage3, stage12
 
 Part = tuple  # (name, bytes, detail)
@@ -154,26 +155,29 @@ def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activat
     seq = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
     shape = (m, b, t.attention, seq, lay.sp > 1)
     tsp = lay.tp_sequence_parallel
-    full = act.layer_bytes_per_token(*shape, False, lay.tp, tsp) * tokens
+    # a frozen base and LoRA adapters (estimator/lora.py): per layer, layer 0 without input grad, the head
+    frozen = saved_deltas(t, m, seq, lay.sp > 1)
+    full = (act.layer_bytes_per_token(*shape, False, lay.tp, tsp) + frozen.layer) * tokens
     if t.checkpointing == "full":
         saved = act.layer_input_bytes_per_token(m, b) * tokens // (lay.tp if tsp else 1)
     elif t.checkpointing == "selective":
-        saved = act.layer_bytes_per_token(*shape, True, lay.tp, tsp) * tokens
+        saved = (act.layer_bytes_per_token(*shape, True, lay.tp, tsp) + frozen.layer) * tokens
     else:
         saved = full
+    first_layer = frozen.first_layer * tokens if first and t.checkpointing == "none" else 0
     in_flight = min(lay.pp, t.grad_accum) if first and lay.pp > 1 else 1
     # each in-flight micro-batch's output (pipe_buffers["outputs"]) and received input ("inputs"): [T, h]
     pipe = in_flight * b * m.hidden_size * tokens if lay.pp > 1 else 0
     if lay.pp > 1 and last:
         pipe += LAST_STAGE_LOGITS_BUFFERS * b * m.vocab_size // lay.tp * tokens
     if last:
-        outside = sum(x.bytes_per_token for x in head.saved_terms(m, b, seq, lay.tp)) * tokens
+        outside = (sum(x.bytes_per_token for x in head.saved_terms(m, b, seq, lay.tp)) + frozen.head) * tokens
     else:
         outside = 8 * tokens  # a first pipeline stage keeps only the input ids for the embedding
     return Activations(
         layer_saved=saved, recompute=full if t.checkpointing == "full" else 0, in_flight=in_flight, pipe=pipe,
         lsm=4 * m.vocab_size // lay.tp * tokens if last else 0,
-        total=in_flight * share.layers * saved + outside + pipe,
+        total=in_flight * share.layers * saved + first_layer + outside + pipe,
         transient=act.backward_transient_bytes_per_token(m, b, t.attention, seq, lay.tp) * tokens)
 
 
