@@ -119,9 +119,11 @@ _SHARED_TERMS: dict[str, tuple[Role, int]] = {
 #: the first norm of a layer (its input is the layer's input), and the branches a layer's input feeds
 _FIRST_NORMS = ("input_layernorm.", "ln_1.")
 _ATTENTION_BRANCH = ("attn.", "q_norm.", "k_norm.", "mla.")
-_MLP_BRANCH = ("post_attention_layernorm.", "ln_2.", "mlp.", "moe.")
+_MLP_BRANCH = ("mlp.", "moe.")
+_MLP_NORMS = ("post_attention_layernorm.", "ln_2.")
 _ATTENTION_ROLES = ("attn_in", "attn_out", "attn_latent")
-_MLP_ROLES = ("mlp_in", "mlp_out", "router")
+_ATTENTION_ENTRY = ("attn_in", "attn_latent")
+_MLP_ENTRY = ("mlp_in", "router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,30 +153,61 @@ def _trains_in(place: _Layer, roles: tuple[str, ...]) -> bool:
     return any(r in place.weights for r in roles) or any(r in roles for r, _ in place.adapted)
 
 
-def _grad_free(name: str, place: _Layer, parallel_residual: bool) -> bool:
-    """In a layer whose input does not require grad: the terms no gradient flows through. The first norm
-    keeps only its weight's input; a branch without a training weight or an adapter keeps nothing (the
-    attention's, and an MLP fed by the layer's input directly: a parallel residual, or a grad-free attention)."""
-    if name.endswith(_NORMED_SUFFIXES):
+@dataclass(frozen=True, slots=True)
+class _Flow:
+    """Where gradients flow in a layer whose input may not require grad: its branches' inputs and entries."""
+
+    layer_input: bool  # the layer's input requires grad
+    attention_entry: bool  # q/k/v (or MLA's down projections) train or are adapted
+    mlp_input: bool  # the MLP's input requires grad
+    mlp_entry: bool  # gate/up (fc_in, the router) train or are adapted
+
+    @classmethod
+    def of(cls, place: _Layer, input_requires_grad: bool, parallel_residual: bool) -> _Flow:
+        if input_requires_grad:
+            return cls(True, True, True, True)
+        attention = _trains_in(place, _ATTENTION_ROLES)  # o_proj too: the residual after it requires grad
+        return cls(False, _trains_in(place, _ATTENTION_ENTRY), attention and not parallel_residual,
+                   _trains_in(place, _MLP_ENTRY))
+
+    def input_grad(self, role: str) -> bool:
+        """Whether an adapted linear of ``role`` gets an input that requires grad (then its dropout keeps a mask)."""
+        if role in _ATTENTION_ENTRY:
+            return self.layer_input
+        if role == "attn_out":
+            return self.attention_entry
+        if role in _MLP_ENTRY:
+            return self.mlp_input
+        return self.mlp_input or self.mlp_entry if role == "mlp_out" else True
+
+    def grad_free(self, name: str) -> bool:
+        """A term no gradient flows through: the first norm (but its weight's input), the attention before its
+        first trained linear, the MLP's norm when the MLP's input does not require grad, the MLP before its
+        first trained linear. Linear inputs are _input_kept's to decide."""
+        if name.endswith(_NORMED_SUFFIXES) or name in _WEIGHT_GRAD_INPUTS:
+            return False
+        if name.startswith(_FIRST_NORMS):
+            return not self.layer_input
+        if name.startswith(_ATTENTION_BRANCH):
+            return not self.attention_entry
+        if name.startswith(_MLP_NORMS):
+            return not self.mlp_input
+        if name.startswith(_MLP_BRANCH):
+            return not (self.mlp_input or self.mlp_entry)
         return False
-    if name.startswith(_FIRST_NORMS):
-        return True
-    attention_free = not _trains_in(place, _ATTENTION_ROLES)
-    if name.startswith(_ATTENTION_BRANCH):
-        return attention_free
-    if name.startswith(_MLP_BRANCH):
-        return (parallel_residual or attention_free) and not _trains_in(place, _MLP_ROLES)
-    return False
 
 
 def apply(terms: tuple[Term, ...], place: _Layer, b: int, lora: LoraSpec | None, input_requires_grad: bool = True,
-          adapter_bytes: int | None = None, parallel_residual: bool = False) -> tuple[Term, ...]:
+          adapter_bytes: int | None = None, parallel_residual: bool = False, kernel: str = "cuda") -> tuple[Term, ...]:
     """``terms`` (what full training saves) as a frozen base with these adapters saves them: the module
     docstring's rule, written once for the layers and for the head. ``adapter_bytes``: the adapters' dtype
-    (b, or 4 where peft's fp32 adapters stay fp32: adapter_dtype_bytes); x is cast to it before lora_A."""
+    (b, or 4 where peft's fp32 adapters stay fp32: adapter_dtype_bytes); x is cast to it before lora_A.
+    ``kernel`` "cpu": torch's CPU dropout keeps its scaled noise in the input dtype (aten/native/Dropout.cpp
+    _dropout_impl: input * noise) where CUDA's native_dropout keeps a bool mask."""
     dropout = lora.dropout if lora is not None else 0.0
     a = adapter_bytes or b
     shared = a == b
+    flow = _Flow.of(place, input_requires_grad, parallel_residual)
     out: list[Term] = []
     for t in terms:
         role = _WEIGHT_GRAD_INPUTS.get(t.name)
@@ -182,10 +215,13 @@ def apply(terms: tuple[Term, ...], place: _Layer, b: int, lora: LoraSpec | None,
             continue
         if t.name.endswith(_NORMED_SUFFIXES) and not place.norms:
             continue
-        if not input_requires_grad and _grad_free(t.name, place, parallel_residual):
-            continue
         kept = _SHARED_TERMS.get(t.name)
-        if kept is not None and not _input_kept(place, kept[0], dropout, shared):
+        weight_share = kept is not None and _input_kept(place, kept[0], dropout, shared)
+        if flow.grad_free(t.name):
+            if weight_share:  # the product alone, for the trained down projection's weight
+                out.append(Term(t.name, t.bytes_per_token // kept[1], t.detail + " (only the product: grad-free)"))
+            continue
+        if kept is not None and not weight_share:
             t = Term(t.name, t.bytes_per_token - t.bytes_per_token // kept[1],
                      t.detail + " (the frozen down projection's input not kept)")
         out.append(t)
@@ -193,7 +229,7 @@ def apply(terms: tuple[Term, ...], place: _Layer, b: int, lora: LoraSpec | None,
         for role, n_in in place.adapted:
             out.append(Term(f"lora.{role}.a_out", a * lora.rank, f"lora_A output [T, {lora.rank}] (lora_B input)"))
             if dropout > 0 or not shared:
-                mask = DROPOUT_MASK_BYTES if dropout > 0 else 0
+                mask = (DROPOUT_MASK_BYTES if kernel == "cuda" else a) if dropout > 0 and flow.input_grad(role) else 0
                 out.append(Term(f"lora.{role}.a_input", (a + mask) * n_in,
                                 f"dropout(x.to(adapter dtype)) [T, {n_in}] (lora_A input){' and its mask' * bool(mask)}"))
     return tuple(out)
