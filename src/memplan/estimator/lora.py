@@ -293,3 +293,9 @@ def saved_deltas(training: TrainingSpec, model: ModelSpec, seq: int, ulysses: bo
     outside = head.saved_terms(model, b, seq)
     adapted_head = sum(t.bytes_per_token for t in apply(outside, head_place(training, model), b, training.lora))
     return SavedDeltas(layer - full, first - layer, adapted_head - sum(t.bytes_per_token for t in outside))
+
+
+def parameter_counts(training: TrainingSpec, model: ModelSpec) -> dict[str, int]:
+    """The whole model's trainable and frozen parameter counts (what verify records from requires_grad)."""
+    ts = job_train_set(training, model)
+    return {"trainable_params": ts.trainable_params, "frozen_params": ts.frozen_params}

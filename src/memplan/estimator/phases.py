@@ -141,6 +141,7 @@ class Activations:
     lsm: int  # the loss's saved fp32 [T, V/tp] (on the stage with the head)
     total: int  # everything saved at the end of forward
     transient: int  # gradient temporaries inside one layer's backward
+    first_layer: int = 0  # layer 0's difference when its input needs no grad (a frozen embedding, <= 0)
 
 
 def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activations:
@@ -178,7 +179,8 @@ def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activat
         layer_saved=saved, recompute=full if t.checkpointing == "full" else 0, in_flight=in_flight, pipe=pipe,
         lsm=4 * m.vocab_size // lay.tp * tokens if last else 0,
         total=in_flight * share.layers * saved + first_layer + outside + pipe,
-        transient=act.backward_transient_bytes_per_token(m, b, t.attention, seq, lay.tp) * tokens)
+        transient=act.backward_transient_bytes_per_token(m, b, t.attention, seq, lay.tp) * tokens,
+        first_layer=first_layer)
 
 
 def _base_parts(job: Job, share: RankShare, st: States, stepped: bool) -> list[Part]:
@@ -186,6 +188,8 @@ def _base_parts(job: Job, share: RankShare, st: States, stepped: bool) -> list[P
     z, b = job.training.zero, dtype_bytes(job.training.dtype)
     params_detail = {3: "16-bit parameter partitions of this rank (ZeRO-3)"}.get(
         z.stage, f"{'16-bit' if b == 2 else 'fp32'} parameters, flat (whole model replica)")
+    if share.frozen:  # LoRA's base or --freeze: the optimizer's groups hold the trainable ones only
+        params_detail += f"; {share.params:,} trainable and {share.frozen:,} frozen parameters in this rank's replica"
     base = [("params_16bit", st.params_16bit, params_detail),
             ("params_persistent", st.params_persistent, "ZeRO-3 persistent (always gathered) parameters"),
             ("master_params_fp32", st.master_fp32, "fp32 master weights"),
@@ -272,7 +276,7 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
         ("backward, layer 0", fwd + tied + grads + [
             ("gradients", g.bottom, "gradients so far"),
-            ("activations", other_in_flight + (a.recompute or a.layer_saved) + a.pipe,
+            ("activations", other_in_flight + (a.recompute or a.layer_saved + a.first_layer) + a.pipe,
              "layer 0 (+ the other in-flight micro-batches)"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
     ]
