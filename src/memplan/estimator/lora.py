@@ -7,7 +7,11 @@ after its base_layer's weight and bias, and with use_dora a lora_magnitude_vecto
 "all" trains every bias, "lora_only" the biases of the adapted linears; each module named in modules_to_save
 is deep-copied (the copy trains, the original stays frozen: both are held in the training dtype). --freeze
 without an adapter turns off the groups memplan.params.frozen_names names. ``deepspeed.initialize`` is given
-the trainable parameters only (memplan.verify.worker.initialize), as users pass them.
+the trainable parameters only (memplan.verify.worker.initialize), as users pass them. DeepSpeed's buffers:
+ZeRO-1/2's grads_in_partition and the flat groups cover the trainable parameters (stage_1_and_2.py __init__
+builds bit16_groups from the params with requires_grad), but the IPG buckets are reduce_bucket_size elements
+whatever the trainable count (stage_1_and_2.py setup_buckets; stage3.py __init__ under contiguous_gradients),
+so they stay as in full training; ZeRO-3 partitions and gathers every parameter (zero.Init), frozen or not.
 
 Saved tensors (torch's tools/autograd/derivatives.yaml and gen_variable_type.py's guard_for: a saved input
 used only by one operand's gradient formula is saved only when that operand requires grad). ``mm``/``addmm``
