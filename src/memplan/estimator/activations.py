@@ -168,8 +168,8 @@ def layer_terms(m: ModelSpec, b: int, attention: str, seq: int, ulysses: bool = 
         core = _attention_core(m, b, attention, seq, qkv_fused=False)
         if sdpa_backend(m, b, attention) == "eager":  # matmuls save q, k and the fused storage behind v
             core = [t for t in core if t.name not in ("attn.q", "attn.k_repeated", "attn.v_repeated")]
-        else:  # the kernel gets v copied out of the fused qkv
-            core = [Term("attn.v_contiguous", b * h, "v copied out of the fused qkv for the kernel [T, h]")] + [
+        else:  # the kernel keeps v as a view of the fused qkv; dense gets the output made contiguous
+            core = [Term("attn.out_proj_input", b * h, "attn_output.reshape().contiguous() [T, h] (dense's input)")] + [
                 t for t in core if t.name not in ("attn.q", "attn.k", "attn.v")]
         terms = (_layernorm(b, h, "input_layernorm") + [Term("attn.proj_input", b * h, "[T, h]")]
                  + [Term("attn.qkv_fused", b * 3 * h, "[T, 3h] (v is a view)"),

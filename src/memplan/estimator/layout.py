@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..params import ParamTensor, parameter_tensors
-from ..specs import Job, ModelSpec
+from ..params import ParamTensor
+from ..specs import Job, LoraSpec, ModelSpec
+from .lora import train_set
 
 #: Megatron-style tensor parallelism (Shoeybi et al. 2019, §3) and AutoTP shard these roles (params.Role):
 #: column-parallel attn_in / mlp_in (weight and bias), row-parallel attn_out / mlp_out (weight; bias whole),
@@ -17,14 +18,18 @@ _ROW_PARALLEL = ("attn_out", "mlp_out")
 
 @dataclass(frozen=True, slots=True)
 class RankShare:
-    """Parameters of the most loaded rank's replica, in elements."""
+    """Parameters of the most loaded rank's replica, in elements. With frozen parameters (LoRA's base,
+    --freeze) the fields the optimizer and ZeRO's gradient groups are built from count the trainable ones
+    only (deepspeed.initialize gets them alone, estimator/lora.py): ``params``, ``per_layer``, ``head``,
+    ``largest``, ``largest_layer_module``, ``zero3_partition`` and the ZeRO-1/2 buffers; ``frozen`` and
+    ``zero3_frozen_partition`` hold the rest; ``modules`` (what ZeRO-3 gathers) all of them."""
 
-    params: int  # P: all parameters this rank's replica holds
-    per_layer: int  # one transformer layer's parameters on this rank
+    params: int  # P: the trainable parameters this rank's replica holds (all of them in full training)
+    per_layer: int  # one transformer layer's trainable parameters on this rank
     layers: int  # transformer layers on this rank (num_layers / pp, the first stage rounded up)
-    head: int  # lm_head (or the tied embedding) on this rank
-    largest: int  # L: largest parameter tensor on this rank
-    zero3_partition: int  # Σ ceil(numel / N) over this rank's parameters (ZeRO-3 pads each param)
+    head: int  # trainable lm_head (or the tied embedding) on this rank
+    largest: int  # L: largest trainable parameter tensor on this rank
+    zero3_partition: int  # Σ ceil(numel / N) over this rank's trainable parameters (ZeRO-3 pads each param)
     zero3_persistent: int  # numel of params at or under stage3_param_persistence_threshold
     embedding: int  # word / position embeddings on this rank
     largest_layer_module: int  # numel of the largest module (linear) inside a transformer layer
@@ -33,6 +38,8 @@ class RankShare:
     zero2_grad_buffer_rank0: int  # the same for rank 0 (what an emulated run measures)
     zero2_largest_piece: int  # largest single param ∩ partition on the most loaded rank (fp64 norm scratch)
     zero2_largest_piece_rank0: int
+    frozen: int = 0  # frozen parameters on this rank (16-bit model parameters outside the optimizer)
+    zero3_frozen_partition: int = 0  # Σ ceil(numel / N) over the frozen ones (zero.Init partitions them too)
 
 
 def _sharded(t: ParamTensor) -> bool:
@@ -60,40 +67,51 @@ def _on_stage(name: str, layer: int | None, layers_here: int, pp: int, last: boo
 
 
 @lru_cache(maxsize=1024)
-def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int, last: bool = False) -> RankShare:
-    tensors = parameter_tensors(model)
+def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int, last: bool = False, lora: LoraSpec | None = None,
+           freeze: tuple[str, ...] = ()) -> RankShare:
+    tensors = train_set(model, lora, freeze).tensors
     layers_here = -(-model.num_layers // pp)
     numels = []
+    frozen: list[int] = []
     module_numels: dict[str, int] = {}
+    trained_modules: dict[str, int] = {}  # a layer's trainable modules (lora_A / lora_B count as their own)
     per_layer = head = embedding = 0
-    for t in tensors:
+    tied_trains = False
+    for t, trains in tensors:
         if not _on_stage(t.name, t.layer, layers_here, pp, last, model.tie_word_embeddings):
             continue
         numel = t.numel // tp if tp > 1 and _sharded(t) else t.numel
-        numels.append(numel)
-        if numel > persist:
+        (numels if trains else frozen).append(numel)
+        if numel > persist:  # ZeRO-3 gathers frozen parameters too
             module = t.name.rsplit(".", 1)[0]
             module_numels[module] = module_numels.get(module, 0) + numel
+        if t.layer is None and t.name.endswith(_EMBEDDINGS[:5]):
+            embedding += numel
+            tied_trains = tied_trains or (trains and t.role == "embedding")
+        if not trains:
+            continue
+        if t.layer is not None and numel > persist:
+            module = t.name.rsplit(".", 1)[0]
+            trained_modules[module] = trained_modules.get(module, 0) + numel
         if t.layer == 0:
             per_layer += numel
-        elif t.layer is None and t.name.endswith(_EMBEDDINGS[:5]):
-            embedding += numel
         if "lm_head" in t.name or "embed_out" in t.name:
             head += numel
     buffers, pieces = _zero2_buffers(numels, n)
     modules = list(module_numels.values())
-    if not head and (pp == 1 or last):  # tied: lm_head is the word embedding, fetched again after the final norm
-        head = next(t.numel for t in tensors) // max(1, tp)
+    if model.tie_word_embeddings and (pp == 1 or last):  # tied: lm_head is the word embedding, fetched again
+        tied = next(t.numel for t, _ in tensors) // max(1, tp)  # after the final norm
+        head = tied if tied_trains else 0
         if pp == 1:
-            modules.append(head)
+            modules.append(tied)
     return RankShare(
-        params=sum(numels), per_layer=per_layer, layers=layers_here, head=head, largest=max(numels),
+        params=sum(numels), per_layer=per_layer, layers=layers_here, head=head, largest=max(numels, default=0),
         zero3_partition=sum(-(-x // n) for x in numels),
-        zero3_persistent=sum(x for x in numels if x <= persist), embedding=embedding,
-        largest_layer_module=max((v for k, v in module_numels.items() if ".layers." in k or ".h." in k),
-                                 default=0),
+        zero3_persistent=sum(x for x in numels + frozen if x <= persist), embedding=embedding,
+        largest_layer_module=max(trained_modules.values(), default=0),
         modules=tuple(modules), zero2_grad_buffer=max(buffers), zero2_grad_buffer_rank0=buffers[0],
         zero2_largest_piece=pieces[buffers.index(max(buffers))], zero2_largest_piece_rank0=pieces[0],
+        frozen=sum(frozen), zero3_frozen_partition=sum(-(-x // n) for x in frozen),
     )
 
 
@@ -118,4 +136,6 @@ def _zero2_buffers(numels: list[int], n: int) -> tuple[list[int], list[int]]:
 def rank_share(job: Job, last: bool = False) -> RankShare:
     """One rank's share of the model: under pp the first stage's, or with ``last`` the last stage's."""
     lay, z = job.layout, job.training.zero
-    return _share(job.model, lay.tp, lay.pp, lay.zero_group, z.stage3_param_persistence_threshold, last)
+    t = job.training
+    return _share(job.model, lay.tp, lay.pp, lay.zero_group, z.stage3_param_persistence_threshold, last, t.lora,
+                  tuple(t.freeze))

@@ -9,7 +9,7 @@ activations.py and head.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..specs import Job
@@ -17,6 +17,7 @@ from ..units import MiB, dtype_bytes
 from . import activations as act
 from . import head
 from .layout import RankShare, rank_share
+from .lora import saved_deltas
 from .states import States, bf16_optimizer, stage0, stage3, stage12
 
 Part = tuple  # (name, bytes, detail)
@@ -28,7 +29,31 @@ CUBLAS_WORKSPACE_BYTES = 64 * MiB
 
 
 def model_states(job: Job, share: RankShare, rank0: bool = False) -> States:
-    """Resolve the ZeRO stage's state bytes for this rank (``rank0``: rank 0 instead of the most loaded)."""
+    """Resolve the ZeRO stage's state bytes for this rank (``rank0``: rank 0 instead of the most loaded).
+
+    The stage's groups hold the trainable parameters (``share.params``); frozen ones stay model parameters
+    in the training dtype beside them (_with_frozen)."""
+    return _with_frozen(_trained_states(job, share, rank0), job, share)
+
+
+def _with_frozen(st: States, job: Job, share: RankShare) -> States:
+    """Add the frozen parameters, which no optimizer group holds: DeepSpeedZeroOptimizer builds bit16_groups
+    from the params that require grad (stage_1_and_2.py __init__: trainable_parameters), FP16_Optimizer and
+    BF16_Optimizer flatten the param groups deepspeed.initialize was given (the trainable ones), and ZeRO-3's
+    zero.Init partitions every parameter while DeepSpeedZeroOptimizer_Stage3._get_trainable_parameter_groups
+    keeps only the optimized ones (no fp32, gradient or optimizer partition for the rest)."""
+    if not share.frozen:
+        return st
+    b = dtype_bytes(job.training.dtype)
+    if job.training.zero.stage < 3:
+        return replace(st, params_16bit=st.params_16bit + b * share.frozen)
+    frozen = b * share.zero3_frozen_partition
+    if job.training.zero.offload_param != "none":  # the partitions live in host memory
+        return replace(st, host_bytes=st.host_bytes + frozen)
+    return replace(st, params_16bit=st.params_16bit + frozen)
+
+
+def _trained_states(job: Job, share: RankShare, rank0: bool) -> States:
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
     g = dtype_bytes(t.grad_accum_dtype or t.dtype)
@@ -116,6 +141,7 @@ class Activations:
     lsm: int  # the loss's saved fp32 [T, V/tp] (on the stage with the head)
     total: int  # everything saved at the end of forward
     transient: int  # gradient temporaries inside one layer's backward
+    first_layer: int = 0  # layer 0's difference when its input needs no grad (a frozen embedding, <= 0)
 
 
 def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activations:
@@ -130,27 +156,31 @@ def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activat
     seq = t.seq_len  # inside attention a rank sees the whole sequence (heads / sp under Ulysses)
     shape = (m, b, t.attention, seq, lay.sp > 1)
     tsp = lay.tp_sequence_parallel
-    full = act.layer_bytes_per_token(*shape, False, lay.tp, tsp) * tokens
+    # a frozen base and LoRA adapters (estimator/lora.py): per layer, layer 0 without input grad, the head
+    frozen = saved_deltas(t, m, seq, lay.sp > 1)
+    full = (act.layer_bytes_per_token(*shape, False, lay.tp, tsp) + frozen.layer) * tokens
     if t.checkpointing == "full":
         saved = act.layer_input_bytes_per_token(m, b) * tokens // (lay.tp if tsp else 1)
     elif t.checkpointing == "selective":
-        saved = act.layer_bytes_per_token(*shape, True, lay.tp, tsp) * tokens
+        saved = (act.layer_bytes_per_token(*shape, True, lay.tp, tsp) + frozen.layer) * tokens
     else:
         saved = full
+    first_layer = frozen.first_layer * tokens if first and t.checkpointing == "none" else 0
     in_flight = min(lay.pp, t.grad_accum) if first and lay.pp > 1 else 1
     # each in-flight micro-batch's output (pipe_buffers["outputs"]) and received input ("inputs"): [T, h]
     pipe = in_flight * b * m.hidden_size * tokens if lay.pp > 1 else 0
     if lay.pp > 1 and last:
         pipe += LAST_STAGE_LOGITS_BUFFERS * b * m.vocab_size // lay.tp * tokens
     if last:
-        outside = sum(x.bytes_per_token for x in head.saved_terms(m, b, seq, lay.tp)) * tokens
+        outside = (sum(x.bytes_per_token for x in head.saved_terms(m, b, seq, lay.tp)) + frozen.head) * tokens
     else:
         outside = 8 * tokens  # a first pipeline stage keeps only the input ids for the embedding
     return Activations(
         layer_saved=saved, recompute=full if t.checkpointing == "full" else 0, in_flight=in_flight, pipe=pipe,
         lsm=4 * m.vocab_size // lay.tp * tokens if last else 0,
-        total=in_flight * share.layers * saved + outside + pipe,
-        transient=act.backward_transient_bytes_per_token(m, b, t.attention, seq, lay.tp) * tokens)
+        total=in_flight * share.layers * saved + first_layer + outside + pipe,
+        transient=act.backward_transient_bytes_per_token(m, b, t.attention, seq, lay.tp) * tokens,
+        first_layer=first_layer)
 
 
 def _base_parts(job: Job, share: RankShare, st: States, stepped: bool) -> list[Part]:
@@ -158,6 +188,8 @@ def _base_parts(job: Job, share: RankShare, st: States, stepped: bool) -> list[P
     z, b = job.training.zero, dtype_bytes(job.training.dtype)
     params_detail = {3: "16-bit parameter partitions of this rank (ZeRO-3)"}.get(
         z.stage, f"{'16-bit' if b == 2 else 'fp32'} parameters, flat (whole model replica)")
+    if share.frozen:  # LoRA's base or --freeze: the optimizer's groups hold the trainable ones only
+        params_detail += f"; {share.params:,} trainable and {share.frozen:,} frozen parameters in this rank's replica"
     base = [("params_16bit", st.params_16bit, params_detail),
             ("params_persistent", st.params_persistent, "ZeRO-3 persistent (always gathered) parameters"),
             ("master_params_fp32", st.master_fp32, "fp32 master weights"),
@@ -244,7 +276,7 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
         ("backward, layer 0", fwd + tied + grads + [
             ("gradients", g.bottom, "gradients so far"),
-            ("activations", other_in_flight + (a.recompute or a.layer_saved) + a.pipe,
+            ("activations", other_in_flight + (a.recompute or a.layer_saved + a.first_layer) + a.pipe,
              "layer 0 (+ the other in-flight micro-batches)"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
     ]
