@@ -291,3 +291,20 @@ def test_measured_lora_rows_within_the_bar():
     assert len(points) >= 3
     worst = max(points, key=lambda c: abs(c.error))
     assert abs(worst.error) <= ALLOC_WORST, (worst.name, f"{worst.error:+.2%}")
+
+
+def test_estimate_json_shows_trainable_and_frozen_counts(capsys):
+    """issue 14: --json carries trainable_params and frozen_params; the adapters add to the base, which freezes."""
+    import json as _json
+
+    from memplan.cli import main as cli_main
+
+    def counts(*extra):
+        assert cli_main(["estimate", "--model", "qwen2.5-0.5b", "--seq", "1024", "--json", *extra]) == 0
+        d = _json.loads(capsys.readouterr().out)
+        return d["trainable_params"], d["frozen_params"]
+
+    full_trainable, full_frozen = counts()
+    trainable, frozen = counts("--lora-rank", "8", "--lora-targets", "q_proj,v_proj")
+    assert full_frozen == 0 and frozen == full_trainable  # the whole base is frozen
+    assert 0 < trainable < full_trainable / 100

@@ -27,8 +27,11 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
     Keys: peak_allocated_bytes, peak_reserved_bytes, device_total_bytes, non_torch_bytes, components
     (name → bytes at the peak), component_details (name, bytes, detail per part), peak_phase, timeline
     (phase → allocated bytes), host_bytes_per_node, nvme_bytes_per_node, target_bytes, gpu_name, gpu_bytes,
-    fits_target, fits_gpu, notes, and job (the resolved inputs: model, training, layout, plus dp).
+    fits_target, fits_gpu, notes, trainable_params and frozen_params (issue 14: LoRA adapters and --freeze;
+    estimator.lora.parameter_counts), and job (the resolved inputs: model, training, layout, plus dp).
     """
+    from .estimator.lora import parameter_counts
+
     dumped = est.model_dump(mode="json")
     job = dumped["job"]
     job["layout"]["dp"] = est.job.layout.dp
@@ -50,6 +53,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "fits_target": est.fits_target,
         "fits_gpu": est.fits_gpu,
         "notes": list(est.notes),
+        **parameter_counts(est.job.training, est.job.model),
         "job": job,
     }
 
