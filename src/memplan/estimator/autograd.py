@@ -183,8 +183,8 @@ class Autograd:
             if grad is None:  # nothing flowed here: the engine never schedules it
                 self._release_saved(node)
                 continue
-            if node.region is not None and not node.region.done:  # unpacking a saved tensor recomputes
-                node.region.recompute()
+            if node.region is not None and not node.region.done and node.would_save:
+                node.region.recompute()  # its first unpack of a saved tensor recomputes the region
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
             held = bool(node.saved)
