@@ -60,6 +60,17 @@ CASES = {
 }
 
 
+#: a prefetch bucket smaller than one MLP weight and a max_live of about one: which parameter each fetch prefetches
+#: depends on every fetch_sub_module call of the trace, parameter-less modules' included
+PREFETCH = {"optimizer": "cpu_adam", "checkpointing": "full", "world": 4, "grad_accum": 2,
+            "zero": {"stage": 3, "offload_optimizer": "cpu", "stage3_prefetch_bucket_size": 15_000,
+                     "stage3_max_live_parameters": 300_000, "stage3_max_reuse_distance": 300_000,
+                     "stage3_param_persistence_threshold": 1000}}
+#: DeepSpeedZeRoOffload hooks every module; families/llama.py runs the hooks only around modules with parameters
+PARAMLESS = ("no fetch_sub_module for the parameter-less modules (rotary_emb, each decoder layer, self_attn, mlp, "
+             "act_fn; LlamaModel's backward): in DeepSpeed each of them prefetches")
+
+
 def tiny_job(optimizer: str, zero: dict, world: int = 2, **training) -> Job:
     spec = model_from_config(dict(model_check.TINY["llama"]), "tiny", "tiny test config")
     return Job(model=spec, training=TrainingSpec(seq_len=64, optimizer=optimizer, zero=ZeroSpec(**zero), loop="loss",
@@ -83,7 +94,8 @@ def traces(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("traces")
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(_run, tiny_job(**kw), root / name) for name, kw in CASES.items()}
+        cases = {**CASES, "z3-prefetch": PREFETCH}
+        futures = {name: pool.submit(_run, tiny_job(**kw), root / name) for name, kw in cases.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -101,6 +113,12 @@ def assert_engine_matches(job: Job, trace) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_engine_events_match_cpu_trace(case, traces):
     assert_engine_matches(tiny_job(**CASES[case]), traces[case])
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=PARAMLESS)
+def test_zero3_prefetch_matches_cpu_trace(traces):
+    assert_engine_matches(tiny_job(**PREFETCH), traces["z3-prefetch"])
 
 
 def test_projection_keeps_engine_tensors_and_their_frees():
