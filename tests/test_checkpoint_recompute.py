@@ -52,3 +52,19 @@ def test_recompute_happens_once_and_frees_what_it_made():
     ag.release(loss)
     assert sum(1 for ev in L.events if ev >= 0 and L.names[ev] == "mul") == 2
     assert not L.live()
+
+
+def test_a_region_that_saves_nothing_never_recomputes():
+    """No saved tensor, no unpack: the rerun never happens and the frame keeps nothing past the forward."""
+    L = Ledger()
+    ag = Autograd(L)
+    x = ag.empty("x", 32, requires_grad=True)
+    out = nonreentrant(ag)(0, x, lambda z: ag.op("add", 32, (z,)))
+    ag.release(x)
+    assert [L.names[t] for t in L.live()] == ["add"]  # the frame let go of x
+    loss = ag.op("sum", 4, (out,))
+    ag.release(out)
+    ag.backward(loss, 4)
+    ag.release(loss)
+    assert sum(1 for ev in L.events if ev >= 0 and L.names[ev] == "add") == 1
+    assert not L.live()
