@@ -49,20 +49,32 @@ CASES = {
     "z3-knobs-w4": {"optimizer": "sgd", "world": 4, "grad_accum": 2, "zero": {"stage": 3, **KNOBS}},
     "z1-bf16-optimizer-ga2": {"optimizer": "sgd", "grad_accum_dtype": "fp32", "grad_accum": 2, "zero": {"stage": 1}},
     "z2-sgd": {"optimizer": "sgd", "zero": {"stage": 2}},
+    # a recompute under ZeRO-3 gathers every module's weight again, and the checkpoint keeps each gathered storage
+    # (x.detach() of the saved weight) until its node has run in backward; torch recomputes at the first unpack
+    # of a saved tensor, after the PreBackwardFunction of the region's last module has gathered its weight
+    "z3-checkpointing": {"optimizer": "cpu_adam", "checkpointing": "full",
+                         "zero": {"stage": 3, "offload_optimizer": "cpu"}},
+    # from the second micro-step the recorded trace (recompute included) decides what __params_to_release keeps
+    "z3-checkpointing-knobs-ga2-w4": {"optimizer": "cpu_adam", "checkpointing": "full", "world": 4, "grad_accum": 2,
+                                      "zero": {"stage": 3, "offload_optimizer": "cpu", **KNOBS}},
 }
 
-#: estimator/autograd.py recomputes a checkpointed region at its first node with a gradient; torch recomputes at
-#: the first unpack of a saved tensor (torch/utils/checkpoint.py unpack_hook), after the PreBackwardFunction of the
-#: region's last module has gathered its weight
+
+#: a prefetch bucket smaller than one MLP weight and a max_live of about one: which parameter each fetch prefetches
+#: depends on every fetch_sub_module call of the trace, parameter-less modules' included
+PREFETCH = {"optimizer": "cpu_adam", "checkpointing": "full", "world": 4, "grad_accum": 2,
+            "zero": {"stage": 3, "offload_optimizer": "cpu", "stage3_prefetch_bucket_size": 15_000,
+                     "stage3_max_live_parameters": 300_000, "stage3_max_reuse_distance": 300_000,
+                     "stage3_param_persistence_threshold": 1000}}
+#: DeepSpeedZeRoOffload hooks every module; families/llama.py runs the hooks only around modules with parameters
+PARAMLESS = ("no fetch_sub_module for the parameter-less modules (rotary_emb, each decoder layer, self_attn, mlp, "
+             "act_fn; LlamaModel's backward): in DeepSpeed each of them prefetches")
+
+
 def tiny_job(optimizer: str, zero: dict, world: int = 2, **training) -> Job:
     spec = model_from_config(dict(model_check.TINY["llama"]), "tiny", "tiny test config")
     return Job(model=spec, training=TrainingSpec(seq_len=64, optimizer=optimizer, zero=ZeroSpec(**zero), loop="loss",
                                                  **training), layout=Layout(world=world))
-
-
-#: a recompute under ZeRO-3 gathers every module's weight again, and the checkpoint keeps each gathered storage
-#: (x.detach() of the saved weight) until its node has run in backward
-CHECKPOINTED = {"optimizer": "cpu_adam", "checkpointing": "full", "zero": {"stage": 3, "offload_optimizer": "cpu"}}
 
 
 def _run(job: Job, folder: Path) -> tuple[int, str, Path]:
@@ -80,9 +92,9 @@ def traces(tmp_path_factory):
     """Every case's CPU trace, recorded by concurrent tool processes (most of each is import time)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cases = {**CASES, "z3-checkpointing": CHECKPOINTED}
     root = tmp_path_factory.mktemp("traces")
     with ThreadPoolExecutor(max_workers=4) as pool:
+        cases = {**CASES, "z3-prefetch": PREFETCH}
         futures = {name: pool.submit(_run, tiny_job(**kw), root / name) for name, kw in cases.items()}
         return {name: f.result() for name, f in futures.items()}
 
@@ -104,8 +116,9 @@ def test_engine_events_match_cpu_trace(case, traces):
 
 
 @pytest.mark.slow
-def test_zero3_checkpointing_matches_cpu_trace(traces):
-    assert_engine_matches(tiny_job(**CHECKPOINTED), traces["z3-checkpointing"])
+@pytest.mark.xfail(strict=True, reason=PARAMLESS)
+def test_zero3_prefetch_matches_cpu_trace(traces):
+    assert_engine_matches(tiny_job(**PREFETCH), traces["z3-prefetch"])
 
 
 def test_projection_keeps_engine_tensors_and_their_frees():

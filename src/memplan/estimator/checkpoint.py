@@ -74,5 +74,8 @@ def nonreentrant(ag: Autograd):
         ag.saving, ag.region = saving, outer
         region.nodes = ag.nodes[start:]
         region.last_saving = max((k for k, n in enumerate(region.nodes) if n.would_save), default=-1)
+        if region.last_saving < 0:  # nothing packed, nothing to unpack: no handle keeps the frame
+            region.done = True
+            region.release_frame()
         return out
     return layer_fn

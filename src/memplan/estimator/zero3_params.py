@@ -228,8 +228,10 @@ class Zero3Params(ModuleHooks):
     # module's node saves — the weight too (LinearFunctionForZeroStage3 saves input and weight; the norms'
     # multiply saves the weight) — so the release after the module frees nothing: the storage lives until the
     # node has run in backward and released what it saved; its backward fetch gathers the parameter again.
-    # The recompute stops (_StopRecomputationError) once the last saved tensor is packed: that module's
-    # post-forward hook and everything after it never run.
+    # The recompute starts when backward first unpacks a saved tensor of the region (unpack_hook), so after the
+    # PreBackwardFunctionForModule of the region's last module has fetched its weight: the recompute's fetch
+    # of that module finds it available. It stops (_StopRecomputationError) once the last saved tensor is
+    # packed: that module's post-forward hook and everything after it never run.
     def pre_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]):
         if getattr(ag, "suppress", False):
             return inputs
