@@ -50,7 +50,25 @@ PARTS = {
 MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 20, "check": 20}
 #: (part, bar) → why the bar does not hold on what is committed. Strict: a bar that starts to hold fails here
 #: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
-KNOWN_GAPS: dict[tuple[str, str], str] = {}
+_RESERVED_LEDGER = ("the simulator's reserved is under the measured one on ZeRO-3 jobs with 1-2 GB gathered weights "
+                    "and on several ZeRO-1/2 Qwen rows (fragmentation across streams not reproduced yet, issue 12)")
+_PHASES = ("jobs outside the ledger (Ulysses sp > 1, masked sdpa, LoRA, pp, MoE families not ported): the phase "
+           "lists miss tensors there and do not simulate the allocator")
+_CHECK = ("the held-out split is judged, never studied: its jobs (other families, the Trainer, LoRA, sp > 1) "
+          "are mostly outside the ledger; its ledger rows are off too (not inspected, issue 13)")
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    ("tuned-ledger", "allocated worst"): "s1-099 (GPT-3 175B width, ZeRO-3, outputs loop) is 3.3 % under",
+    ("tuned-ledger", "reserved worst"): _RESERVED_LEDGER,
+    ("tuned-ledger", "reserved under"): _RESERVED_LEDGER,
+    ("tuned-phases", "allocated worst"): _PHASES,
+    ("tuned-phases", "reserved median"): _PHASES,
+    ("tuned-phases", "reserved worst"): _PHASES,
+    ("tuned-phases", "reserved under"): _PHASES,
+    **{("check", bar): _CHECK for bar in ("allocated median", "allocated worst", "reserved median",
+                                          "reserved worst", "reserved under")},
+    ("check", "false fits"): ("a check-split OOM (DeepSeek-V3 4-layer, fp32, ZeRO-3, 64 ranks, the Trainer) is "
+                              "called a fit by the phase model"),
+}
 
 
 def _bar_values(points):
