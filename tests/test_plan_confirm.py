@@ -59,3 +59,18 @@ def test_without_an_exact_estimator_the_given_one_is_the_estimate():
     sp_ = space(model="llama-3.2-1b", target_gib=20)
     result = search(sp_, fake_quick_peak, top=TOP)
     assert result.confirmed == 0 and all(c.confirmed for c in result.candidates)
+
+
+def test_plan_for_an_8b_model_answers_with_confirmed_rows(capsys):
+    """issue 18: `memplan plan --model llama-3-8b --gpu h100-80g` answers with rows (its confirmations meet
+    gradient accumulation of 128+ micro-steps: estimator/fold.py folds any cycle of the allocator's state)."""
+    import json
+
+    from memplan.cli import main
+
+    assert main(["plan", "--model", "llama-3-8b", "--gpu", "h100-80g", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["candidates"]
+    assert rows and all(r["fits"] and r["confirmed"] for r in rows)
+    assert all(r["device_total_bytes"] <= out["assumptions"]["target_bytes"] for r in rows)
+    assert {r["grad_accum"] * r["micro_batch"] * r["dp"] for r in rows} == {out["assumptions"]["global_batch"]}
