@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from memplan.estimator import ledger_steps, ledger_supported
 from memplan.estimator.autograd import Autograd
 from memplan.estimator.families import forward
+from memplan.estimator.loop import INPUTS, SCALARS
 from memplan.estimator.model_check import TINY
 from memplan.estimator.program import build_ledger
 from memplan.estimator.summary import summarize
@@ -39,9 +40,11 @@ def _model(tiny: str):
 def _check_balanced(job: Job) -> None:
     L = build_ledger(job, steps=STEPS)
     live = sorted(L.live())
-    transient = [(L.names[i], L.components[i]) for i in live if L.components[i] not in PERSISTENT]
-    if job.training.loop == "outputs":  # the output object of the last forward: its logits
-        assert [c for _, c in transient] == ["logits_loss"], transient
+    # the loop's own tensors (estimator/loop.py: position ids and scalars kept for the run) are tests/test_loop.py's
+    transient = [(L.names[i], L.components[i]) for i in live
+                 if L.components[i] not in PERSISTENT and L.components[i] not in (INPUTS, SCALARS)]
+    if job.training.loop == "outputs":  # the output object of the last forward: its logits and its loss
+        assert {c for _, c in transient} == {"logits_loss"}, transient
     else:
         assert transient == []
     starts = {label: at for label, at, _ in L.phase_spans()}
