@@ -161,7 +161,8 @@ def _row(job: dict, **extra) -> dict:
 def test_a_verify_row_out_of_bounds_is_refused(command, where, value):
     """A row's Job is bounded as flags are (memplan.bounds.check_job) before the estimator sees it: a world of
     10**23 never becomes a list, a tp of 0 never a divisor."""
-    from memplan.options import build_job, model_from_arg
+    from memplan.jobbuild import build_job
+    from memplan.resolve import model_from_arg
 
     job = build_job(model_from_arg("llama-3.2-1b"), {"seq_len": 256, "world": 1, "gpus_per_node": 1},
                     {}).model_dump(mode="json")
