@@ -27,7 +27,9 @@ from .blocks import (
     round_size,
 )
 from .config import MIN_BLOCK_BYTES, SMALL_SIZE_BYTES, AllocatorConfig
+from .events import ledger_from_events
 from .expandable import ExpandableSegments
+from .release import CacheRelease
 from .result import OomInfo, PhasePeak, SimResult
 
 __all__ = ["allocation_size", "ledger_from_events", "replay_series", "round_size", "simulate", "simulate_events"]
@@ -38,7 +40,7 @@ class _Oom(Exception):
         self.alloc_bytes = alloc_bytes
 
 
-class _Replay(ExpandableSegments):
+class _Replay(ExpandableSegments, CacheRelease):
     """DeviceCachingAllocator's state during one replay of a ledger."""
 
     def __init__(self, ledger, config: AllocatorConfig, segment_addresses=None) -> None:
@@ -289,78 +291,6 @@ class _Replay(ExpandableSegments):
         self._grow(alloc)
         return Block(addr, alloc, ALLOCATED, fl, None)
 
-    def _garbage_collect_cached_blocks(self) -> None:
-        """garbage_collect_cached_blocks: while reserved is above threshold × allowed, cudaFree whole cached
-        large-pool segments at least as old (in get_free_block calls) as the average, oldest rounds first."""
-        threshold = int(self.gc * self.allowed)
-        if self.reserved <= threshold:
-            return
-        target = self.reserved - threshold
-        now = self.gc_calls[0]
-        cached = [b for st, fl in sorted(self.fls.items()) if not fl.small for b in fl.blocks]
-        whole = [b for b in cached if b.prev is None and b.next is None]
-        total_age, count = sum(now - b.gcb for b in whole), len(whole)
-        if count == 0:
-            return
-        reclaimed, freed = 0, True
-        while reclaimed < target and freed and count > 0:
-            threshold_age = total_age / count
-            freed = False
-            for b in list(whole):
-                if b.es is None and now - b.gcb >= threshold_age:
-                    freed = True
-                    reclaimed += b.size
-                    total_age -= now - b.gcb
-                    count -= 1
-                    whole.remove(b)
-                    self._release_block(b)
-
-    def _release_available_cached_blocks(self, fl: FreeList, size: int) -> bool:
-        """release_available_cached_blocks: cudaFree oversize cached blocks of this stream, just enough for ``size``."""
-        m = self.msplit
-        want = max(size, m)
-        keys, blocks = fl.keys, fl.blocks
-        j = bisect_left(keys, want * KEY_SPAN)
-        if j < len(keys) and blocks[j].es is None and blocks[j].prev is None and blocks[j].next is None:
-            self._release_block(blocks[j])
-            return True
-        if j == 0:
-            return False
-        released = 0
-        j -= 1
-        while released < want and j >= 0 and blocks[j].size >= m:
-            b = blocks[j]
-            j -= 1
-            if b.es is None and b.prev is None and b.next is None:  # oversize cached blocks are whole segments
-                released += b.size
-                self._release_block(b)
-        return released >= want
-
-    def release_cached_blocks(self) -> None:
-        """release_cached_blocks (empty_cache, and the OOM path): cudaFree every cached block that is a whole
-        segment, large pool first (release_blocks); unmap the free pages of expandable segments (unmap_block)."""
-        for small in (False, True):
-            for fl in [f for f in self.fls.values() if f.small == small]:
-                to_unmap = []
-                for b in list(fl.blocks):
-                    if b.es is not None:
-                        to_unmap.append(b)
-                    elif b.prev is None and b.next is None:
-                        self._release_block(b)
-                for b in to_unmap:
-                    self._unmap_block(b)
-                    if b.state == UNMAPPED and b.prev is None and b.next is None:  # release_expandable_segment
-                        fl.remove_unmapped(b)
-                        self.segments -= 1
-                        self.free_bases.append(b.es.base)
-
-    def _release_block(self, b: Block) -> None:
-        """release_block: cudaFree a cached block that is a whole segment."""
-        b.fl.remove(b)
-        self.unsplit_free -= b.size
-        self.segments -= 1
-        self._shrink(b.size)
-
     # -- expandable segments -------------------------------------------------------------------------------
 
     def signature(self) -> tuple:
@@ -450,31 +380,6 @@ def replay_series(ledger, config: AllocatorConfig | None = None, *,
     series: list[tuple[int, int]] = []
     result = _Replay(ledger, _as_config(config), segment_addresses).run(ledger, per_event=series)
     return result, series
-
-
-def ledger_from_events(events) -> object:
-    """A Ledger from ``(kind, key, nbytes, stream)`` tuples: kind "alloc" (key names the tensor), "free" (by key),
-    "phase" (key is the label) or "empty_cache"; nbytes and stream are read for "alloc" only."""
-    from memplan.ledger import EMPTY_CACHE, Ledger
-
-    led = Ledger()
-    ids: dict = {}
-    for kind, key, nbytes, stream in events:
-        if kind == "alloc":
-            if key in ids:
-                raise ValueError(f"alloc of {key!r}, which is live already")
-            ids[key] = led.alloc(str(key), nbytes, "other", stream)
-        elif kind == "free":
-            if key not in ids:
-                raise ValueError(f"free of {key!r}, which is not live")
-            led.free(ids.pop(key))
-        elif kind == "phase":
-            led.mark(str(key))
-        elif kind == "empty_cache":
-            led.mark("empty_cache", EMPTY_CACHE)
-        else:
-            raise ValueError(f"event kind {kind!r}: use alloc, free, phase or empty_cache")
-    return led
 
 
 def simulate_events(events, config: AllocatorConfig | None = None) -> SimResult:
