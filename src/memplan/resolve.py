@@ -1,5 +1,4 @@
-"""A job resolved once, for every command: the defaults a user expects, the files, the flags → one Job and where
-each of its values came from.
+"""A job resolved once, for every command: defaults, files, flags → one Job and each value's source.
 
 ``resolve_job(JobRequest) -> ResolvedJob``. The order (later wins):
 
