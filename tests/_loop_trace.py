@@ -107,6 +107,7 @@ def main(argv: list[str]) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from memplan.verify import command, hfbuild, worker
+    from memplan.verify.cputrace import profiler_events
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
@@ -117,14 +118,7 @@ def main(argv: list[str]) -> int:
     _patch(record_function)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         row = worker.measure(task)
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            trace = json.load(fh)["traceEvents"]
-    finally:
-        os.unlink(path)
+    trace = profiler_events(prof)
     with open(out_path, "w") as fh:
         json.dump({"status": row["status"], "error": row["error"], "phases": [p["name"] for p in row["phases"]],
                    "events": _events(trace)}, fh)

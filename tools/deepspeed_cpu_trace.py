@@ -25,7 +25,6 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -161,20 +160,15 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from memplan.verify.cputrace import profiler_events
+
     setup(job.layout.world)
     annotate()
     torch.manual_seed(0)
     ids_list = inputs(job, steps)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run(job, steps, ids_list)
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            trace = json.load(fh)["traceEvents"]
-    finally:
-        os.unlink(path)
+    trace = profiler_events(prof)
     with open(argv[1], "w") as fh:
         json.dump({"events": events(trace)}, fh)
     return 0

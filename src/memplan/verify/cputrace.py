@@ -36,6 +36,19 @@ class Event:
     kernel: int = -1
 
 
+
+def profiler_events(prof) -> list[dict]:
+    """A finished torch.profiler run's Chrome trace events (exported to a temporary file, read, removed)."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            return json.load(fh)["traceEvents"]
+    finally:
+        os.unlink(path)
+
+
 def record(fn, *, warmup: bool = True) -> list[Event]:
     """Run ``fn()`` under the profiler and return its allocation events (scalars dropped), in order."""
     import torch
@@ -46,14 +59,7 @@ def record(fn, *, warmup: bool = True) -> list[Event]:
     gc.collect()  # garbage of earlier models is not freed inside the recording
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            trace = json.load(fh)["traceEvents"]
-    finally:
-        os.unlink(path)
+    trace = profiler_events(prof)
     del torch
     ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace if e.get("ph") == "X"
                  and e.get("cat") == "cpu_op")
