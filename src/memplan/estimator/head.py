@@ -97,6 +97,17 @@ def _family_terms(m: ModelSpec, b: int, tp: int) -> list[Term]:
     return terms
 
 
+def kept_output_bytes_per_token(m: ModelSpec, b: int, tp: int = 1) -> int:
+    """What the ``outputs`` loop keeps beyond the saved tensors: the model output object (CausalLMOutputWithPast)
+    from the forward's return until the next forward returns and rebinds the name (estimator/loop.py
+    DeepSpeedLoop): its logits [T, V/tp] in the dtype (Gemma's: the soft-capped ones), and with
+    output_router_logits each MoE layer's router logits [T, E] in the dtype (MoeCausalLMOutputWithPast)."""
+    kept = b * m.vocab_size // tp
+    if m.output_router_logits and m.num_experts:
+        kept += sum(m.is_moe_layer(i) for i in range(m.num_layers)) * b * m.num_experts
+    return kept
+
+
 def softcap_backward_transient_per_token(m: ModelSpec, b: int, tp: int = 1) -> int:
     """Gemma's soft-capping backward: one more logits-sized grad [T, V/tp] in the dtype beside the one
     lm_head_backward_transient_per_token counts (tanh's backward reads its grad and writes a new one)."""

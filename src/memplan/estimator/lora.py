@@ -202,25 +202,32 @@ class _Flow:
 
 
 def apply(terms: tuple[Term, ...], place: _Layer, b: int, lora: LoraSpec | None, input_requires_grad: bool = True,
-          adapter_bytes: int | None = None, parallel_residual: bool = False, kernel: str = "cuda") -> tuple[Term, ...]:
+          adapter_bytes: int | None = None, parallel_residual: bool = False, kernel: str = "cuda",
+          zero3_linear: bool = False) -> tuple[Term, ...]:
     """``terms`` (what full training saves) as a frozen base with these adapters saves them: the module
     docstring's rule, written once for the layers and for the head. ``adapter_bytes``: the adapters' dtype
     (b, or 4 where peft's fp32 adapters stay fp32: adapter_dtype_bytes); x is cast to it before lora_A.
     ``kernel`` "cpu": torch's CPU dropout keeps its scaled noise in the input dtype (aten/native/Dropout.cpp
-    _dropout_impl: input * noise) where CUDA's native_dropout keeps a bool mask."""
+    _dropout_impl: input * noise) where CUDA's native_dropout keeps a bool mask. ``zero3_linear``: F.linear
+    is DeepSpeed's LinearFunctionForZeroStage3 (zero3_linear_uses_saved_input)."""
     dropout = lora.dropout if lora is not None else 0.0
     a = adapter_bytes or b
     shared = a == b
     flow = _Flow.of(place, input_requires_grad, parallel_residual)
+
+    def input_kept(role: Role) -> bool:
+        return (_input_kept(place, role, dropout, shared)
+                or (zero3_linear and role != "embedding" and flow.input_grad(role)))
+
     out: list[Term] = []
     for t in terms:
         role = _WEIGHT_GRAD_INPUTS.get(t.name)
-        if role is not None and not _input_kept(place, role, dropout, shared):
+        if role is not None and not input_kept(role):
             continue
         if t.name.endswith(_NORMED_SUFFIXES) and not place.norms:
             continue
         kept = _SHARED_TERMS.get(t.name)
-        weight_share = kept is not None and _input_kept(place, kept[0], dropout, shared)
+        weight_share = kept is not None and input_kept(kept[0])
         if flow.grad_free(t.name):
             if weight_share:  # the product alone, for the trained down projection's weight
                 out.append(Term(t.name, t.bytes_per_token // kept[1], t.detail + " (only the product: grad-free)"))
@@ -237,6 +244,17 @@ def apply(terms: tuple[Term, ...], place: _Layer, b: int, lora: LoraSpec | None,
                 out.append(Term(f"lora.{role}.a_input", (a + mask) * n_in,
                                 f"dropout(x.to(adapter dtype)) [T, {n_in}] (lora_A input){' and its mask' * bool(mask)}"))
     return tuple(out)
+
+
+def zero3_linear_uses_saved_input(training: TrainingSpec) -> bool:
+    """Under ZeRO-3, deepspeed.zero.Init (and DeepSpeedZeRoOffload, which wraps an un-Init'ed model in one)
+    replaces torch.nn.functional.linear with zero3_linear_wrap for good (partition_parameters.py
+    _enable_mem_efficient_linear, zero_optimization.memory_efficient_linear, default true), and nn.Linear calls
+    it: LinearFunctionForZeroStage3.setup_context (runtime/zero/linear.py) saves input, weight and bias whatever
+    requires grad. So a frozen linear that a gradient flows through keeps its input, as in full training
+    (the weight is a parameter, released by ZeRO-3: no bytes). Measured: llama-3.2-1b LoRA q,v ZeRO-3 without
+    checkpointing kept o_proj's, gate/up's and down_proj's inputs (rows-h200-8-lora.jsonl)."""
+    return training.zero.stage == 3
 
 
 def adapter_dtype_bytes(training: TrainingSpec) -> int:
@@ -291,11 +309,13 @@ def saved_deltas(training: TrainingSpec, model: ModelSpec, seq: int, ulysses: bo
     place = layer_place(training, model)
     full = sum(t.bytes_per_token for t in terms)
     a, pr = adapter_dtype_bytes(training), model.parallel_residual
-    layer = sum(t.bytes_per_token for t in apply(terms, place, b, training.lora, True, a, pr))
+    z3 = zero3_linear_uses_saved_input(training)
+    layer = sum(t.bytes_per_token for t in apply(terms, place, b, training.lora, True, a, pr, zero3_linear=z3))
     first = sum(t.bytes_per_token for t in apply(terms, place, b, training.lora,
-                                                 input_requires_grad(training, model), a, pr))
+                                                 input_requires_grad(training, model), a, pr, zero3_linear=z3))
     outside = head.saved_terms(model, b, seq)
-    adapted_head = sum(t.bytes_per_token for t in apply(outside, head_place(training, model), b, training.lora))
+    adapted_head = sum(t.bytes_per_token for t in apply(outside, head_place(training, model), b, training.lora,
+                                                        zero3_linear=z3))
     return SavedDeltas(layer - full, first - layer, adapted_head - sum(t.bytes_per_token for t in outside))
 
 

@@ -252,6 +252,9 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
     a = _activations(job, share, first, last)
     g = _grads(job, share, st, last)
     base = _base_parts(job, share, st, stepped)
+    if last and t.loop == "outputs" and lay.pp == 1:  # the previous micro-step's output, or this one's
+        base.append(("logits_loss", head.kept_output_bytes_per_token(m, b, lay.tp) * tokens,
+                     "the model output's logits, kept by the outputs loop until the next forward returns"))
     fwd = base + list(g.carried)
     # a tied embedding's grad is complete only after the embedding's backward: DeepSpeed's grad hook
     # (AccumulateGrad post-hook) cannot take it earlier, so the full b·V·h grad waits through backward

@@ -175,7 +175,11 @@ def build(case: MegatronCase, device: str):
                      position_embedding_type="learned_absolute", parallel_output=True,
                      share_embeddings_and_output_weights=True)
     model = Float16Module(config, model)
-    return model.to(device) if device == "cpu" else model
+    # megatron-core builds its parallel layers on the current CUDA device, but the learned position embedding
+    # (LanguageModelEmbedding.position_embeddings, a torch.nn.Embedding) on the CPU: Megatron's trainer moves
+    # every module afterwards (megatron/training/training.py get_model: model_module.cuda(...)), and so do we
+    # (the first GPU run failed in F.embedding with the index on cuda:0 and the weight on the CPU).
+    return model.to(device)
 
 
 class Meter:
