@@ -54,18 +54,18 @@ _RESERVED_LEDGER = ("the simulator's reserved is under the measured one on ZeRO-
                     "and on several ZeRO-1/2 Qwen rows (fragmentation across streams not reproduced yet, issue 12)")
 _PHASES = ("jobs outside the ledger (Ulysses sp > 1, masked sdpa, LoRA, pp, MoE families not ported): the phase "
            "lists miss tensors there and do not simulate the allocator")
-_CHECK = ("the held-out split is judged, never studied: its jobs (other families, the Trainer, LoRA, sp > 1) "
-          "are mostly outside the ledger; its ledger rows are off too (not inspected, issue 13)")
+_CHECK = ("the held-out split is judged, never studied: its median holds; its worst rows (not inspected, issue 13) "
+          "are where the tuned rows are off too: MoE, DeepSeek-V3, Ulysses sp > 1, and the reserved figure")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("tuned-ledger", "allocated worst"): "s1-099 (GPT-3 175B width, ZeRO-3, outputs loop) is 3.3 % under",
+    ("tuned-ledger", "allocated worst"): ("Mixtral-style MoE under ZeRO-3 (s2-014 tinymixtral with the Trainer, the "
+                                          "8x7B width with checkpointing) is under: the experts' gathers, not found yet"),
     ("tuned-ledger", "reserved worst"): _RESERVED_LEDGER,
     ("tuned-ledger", "reserved under"): _RESERVED_LEDGER,
     ("tuned-phases", "allocated worst"): _PHASES,
     ("tuned-phases", "reserved median"): _PHASES,
     ("tuned-phases", "reserved worst"): _PHASES,
     ("tuned-phases", "reserved under"): _PHASES,
-    **{("check", bar): _CHECK for bar in ("allocated median", "allocated worst", "reserved median",
-                                          "reserved worst", "reserved under")},
+    **{("check", bar): _CHECK for bar in ("allocated worst", "reserved median", "reserved worst", "reserved under")},
     ("check", "false fits"): ("a check-split OOM (DeepSeek-V3 4-layer, fp32, ZeRO-3, 64 ranks, the Trainer) is "
                               "called a fit by the phase model"),
 }

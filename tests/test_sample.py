@@ -345,6 +345,8 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
     committed = [json.loads(x) for x in (SAMPLED / "call3.jsonl").read_text().splitlines()]
     seed2 = [json.loads(x) for x in (SAMPLED / "seed2.jsonl").read_text().splitlines()]
     assert committed == sample_call.select(seed2, 60, 1, 1400)  # the README's command
+    call5 = [json.loads(x) for x in (SAMPLED / "call5.jsonl").read_text().splitlines()]
+    assert call5 == sample_call.select(seed2, 120, 1, 2300) and call5[:len(committed)] == committed
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)]):
