@@ -80,6 +80,9 @@ class Autograd:
         self.suppress = False  # a recompute stopped early: what follows allocates nothing
         self.stop_at: int | None = None  # index in self.nodes of the recompute's last node that saves
         self.recomputing = False  # a checkpoint's recompute is running (its nodes are dropped afterwards)
+        #: parameters a live node saved through a view (blocks_moe.grouped_mm: ``weight.transpose(-2, -1)``):
+        #: the view keeps the gathered storage when ZeRO-3 swaps param.data for its partition
+        self.saved_param_views: set[str] = set()
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
         self._param_buffers: dict[int, Tensor] = {}  # id(parameter) → gradient waiting for its AccumulateGrad
         self._param_uses: dict[int, int] = {}  # id(parameter) → edges into its AccumulateGrad not yet run

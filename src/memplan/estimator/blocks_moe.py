@@ -102,6 +102,9 @@ def grouped_mm(ag: Autograd, x: Tensor, weight: Tensor, offs: Tensor, out_bytes:
         return (gx, gw)
 
     saved = ((weight,) if x.requires_grad else ()) + (offs,) + ((x,) if weight.requires_grad else ())
+    if x.requires_grad and weight.param is not None and ag.saving and ag.grad_enabled:
+        # transformers' _grouped_linear passes weight.transpose(-2, -1) (is_transposed False): a view is saved
+        ag.saved_param_views.add(weight.param)
     return ag.op(name, out_bytes, (x, weight), saved, backward)
 
 

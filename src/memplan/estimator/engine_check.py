@@ -35,8 +35,13 @@ def predicted_events(job: Job, steps: int = 2) -> list[tuple[int, str]]:
     from .program import build_ledger
 
     L = build_ledger(job, steps, cpu_run=True)
+    return engine_events(L, L.events)
+
+
+def engine_events(L, events) -> list[tuple[int, str]]:
+    """(±bytes, name) of the engine's events among ``events`` of ledger ``L``."""
     out = []
-    for ev in L.events:
+    for ev in events:
         tid = ev if ev >= 0 else ~ev
         if (L.components[tid] in MODEL_COMPONENTS or L.sizes[tid] < MIN_BYTES or L.names[tid].endswith(".tmp")):
             continue
@@ -70,8 +75,26 @@ def real_events(rows: list[list]) -> list[tuple[int, str]]:
     return out
 
 
+def _frees_sorted(events: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Each run of consecutive frees in one order (by size): release_sub_module walks a module's parameters as a
+    Python set (partitioned_param_coordinator.py: ``module_params = set(iter_params(...))``), in no order the
+    model can know, and frees with nothing allocated between them commute."""
+    out: list[tuple[int, str]] = []
+    run: list[tuple[int, str]] = []
+    for ev in [*events, (1, "")]:
+        if ev[0] < 0:
+            run.append(ev)
+            continue
+        out.extend(sorted(run, key=lambda e: e[0]))
+        run = []
+        out.append(ev)
+    return out[:-1]
+
+
 def first_mismatch(real: list[tuple[int, str]], predicted: list[tuple[int, str]]) -> int | None:
-    """Index of the first event whose ±bytes differ (a missing event counts), None when none does."""
+    """Index of the first event whose ±bytes differ (a missing event counts), None when none does; runs of
+    frees are compared in one order (_frees_sorted)."""
+    real, predicted = _frees_sorted(real), _frees_sorted(predicted)
     n = max(len(real), len(predicted))
     return next((i for i in range(n) if i >= len(real) or i >= len(predicted) or real[i][0] != predicted[i][0]),
                 None)

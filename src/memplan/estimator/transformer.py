@@ -72,6 +72,11 @@ class ModuleHooks:
     def post_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], output: Tensor) -> Tensor:
         return output
 
+    def leaf_backward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+                      ) -> tuple[Tensor, ...]:
+        """A ZeRO-3 leaf module's full backward hook on its inputs (Net.leaf)."""
+        return inputs
+
 
 class Net:
     """One forward's context: the autograd model, the model spec, the shape, the parameters and the hooks."""
@@ -86,12 +91,15 @@ class Net:
         self.device = device  # whose kernels run: "cuda" (the estimate), "cpu" (the CPU trace comparison)
         self.dtype = dtype  # TrainingSpec.dtype (bf16 and fp16 differ in CUDA's softmax)
         self.sdpa_backend = sdpa_backend  # a kernel forced as torch.nn.attention.sdpa_kernel does (None: dispatch)
+        self.in_leaf = False  # inside a ZeRO-3 leaf module: its children carry no hooks
 
     def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor | None, ...] = (), hooked: int = 0):
         """Call module ``name`` (``fn(*inputs)``; ``params``: its own parameters, module.parameters(recurse=False)
         in registration order, None entries skipped) between its hooks. ``fn`` may return a tuple of tensors;
         ``hooked`` is the one gradients reach, which carries the module's pre-backward hook."""
         ag = self.ag
+        if self.in_leaf:
+            return fn(*inputs)
         params = tuple(t for t in params if t is not None)
         wrapped = self.hooks.pre_forward(ag, name, params, inputs)
         out = fn(*wrapped)
@@ -104,6 +112,31 @@ class Net:
         if hooked_t is not first:
             ag.release(first)
         return (*out[:hooked], hooked_t, *out[hooked + 1:]) if many else hooked_t
+
+    def leaf(self, name: str, fn, x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+        """A ZeRO-3 leaf module (DeepSpeedEngine._configure_distributed_model → apply_zero_leaf_module_config,
+        zero_optimization.leaf_module, whose default classes are transformers' MixtralSparseMoeBlock,
+        Qwen2MoeSparseMoeBlock and Qwen3MoeSparseMoeBlock: runtime/zero/leaf_module_config.py): its hooks fetch
+        and release all its parameters (parameter_offload.py: iter_params(module, recurse=z3_leaf_module)),
+        its children run without hooks, and its parameters' grads wait for its full backward hook
+        (stage3.py create_reduce_and_remove_grad_hooks: reduce_leaf_module_grads). torch's Module._call_impl
+        wraps the inputs for that hook after the forward pre-hooks, so in backward it fires before DeepSpeed's
+        release (PostBackwardFunctionModule). ``x``: the one input; ``params``: all of them, model order."""
+        ag = self.ag
+        (outer,) = self.hooks.pre_forward(ag, name, params, (x,))
+        (inner,) = self.hooks.leaf_backward(ag, name, params, (outer,))
+        self.in_leaf = True
+        try:
+            out = fn(inner)
+        finally:
+            self.in_leaf = False
+        for w, under in ((inner, outer), (outer, x)):
+            if w is not under:
+                ag.release(w)
+        hooked = self.hooks.post_forward(ag, name, params, out)
+        if hooked is not out:
+            ag.release(out)
+        return hooked
 
     def linear(self, x: Tensor, name: str, out_features: int, bias: bool = False) -> Tensor:
         """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]."""

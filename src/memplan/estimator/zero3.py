@@ -84,6 +84,8 @@ class Zero3(Zero3Params):
         self.micro = 0  # micro_step_id
         self.forwards = 0
         self.epilogue_ran = False
+        self.leaf_of: dict[str, str] = {}  # parameter → its leaf module (grads reduced by the module's hook)
+        self.leaf_grads: dict[str, tuple[Tensor, Tensor]] = {}  # param.grad waiting for that hook
 
     # -- initialize -----------------------------------------------------------------------------------------
     def initialize(self, param_ids: dict[str, int]) -> None:
@@ -140,9 +142,37 @@ class Zero3(Zero3Params):
 
     # -- gradients ----------------------------------------------------------------------------------------
     def on_param_grad(self, ag: Autograd, param: Tensor, grad: Tensor) -> None:
-        """reduce_independent_p_g_buckets_and_remove_grads for one parameter's fresh (whole) grad."""
+        """A parameter's fresh (whole) grad: reduced now by its hook, or, in a leaf module, kept as param.grad
+        until the module's full backward hook (leaf_backward)."""
         name = param.param
         self.free_retained(name)  # its node released what it saved before AccumulateGrad ran
+        ag.saved_param_views.discard(name)
+        if name in self.leaf_of:
+            self.leaf_grads[name] = (param, grad)
+            return
+        self._reduce_grad(ag, param, grad)
+
+    def leaf_backward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+                      ) -> tuple[Tensor, ...]:
+        """reduce_leaf_module_grads (stage3.py, a register_full_backward_hook on the leaf module): once the
+        grads of the module's inputs are computed, each of its parameters in group order — a grad never made
+        becomes ``torch.zeros_like(param)``, the gathered parameter's size — through
+        reduce_ready_partitions_and_remove_grads."""
+        names = tuple(dict.fromkeys(t.param for t in params))
+        tensors = {t.param: t for t in params}
+        self.leaf_of.update(dict.fromkeys(names, module))
+
+        def reduce_leaf():
+            for name in sorted(names, key=self.rank_of.__getitem__):
+                param, grad = self.leaf_grads.pop(name, (tensors[name], None))
+                if grad is None:
+                    grad = ag.empty(f"{name}.zeros_grad", self.b * self.numel[name], component="gradients")
+                self._reduce_grad(ag, param, grad)
+        return tuple(ag.marker(x, reduce_leaf) if x.requires_grad else x for x in inputs)
+
+    def _reduce_grad(self, ag: Autograd, param: Tensor, grad: Tensor) -> None:
+        """reduce_independent_p_g_buckets_and_remove_grads for one parameter's grad."""
+        name = param.param
         numel = self.numel[name]
         if self.bucket_elements + numel > self.rbs and self.bucket_elements > 0:
             self.reduce_bucket(ag)

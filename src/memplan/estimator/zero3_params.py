@@ -67,17 +67,27 @@ class Zero3Params(ModuleHooks):
 
     # -- build --------------------------------------------------------------------------------------------
     def build(self, model_order: list[tuple[str, int]]) -> None:
-        """zero.Init: each parameter whole, then its partition, then the whole freed."""
+        """zero.Init: a module's own parameters whole as its __init__ creates them, then, as _post_init_method
+        runs when that __init__ returns, each one's partition made and its whole freed (a module of several
+        parameters, e.g. transformers' MixtralExperts gate_up_proj and down_proj, holds them all whole at once)."""
         L, P, b = self.L, self.P, self.b
+        modules: list[list[tuple[str, int]]] = []
         for name, numel in model_order:
-            whole = L.alloc(name, b * numel, "params_16bit")
-            nbytes = b * -(-numel // self.n)
-            if self.offload_param:
-                self.partitions[name] = P.pin(P.host_alloc(f"{name} (partition)", nbytes, "params_16bit"),
-                                              self.pin_memory)
+            owner = name.rsplit(".", 1)[0]
+            if modules and modules[-1][0][0].rsplit(".", 1)[0] == owner:
+                modules[-1].append((name, numel))
             else:
-                self.partitions[name] = L.alloc(f"{name} (partition)", nbytes, "params_16bit")
-            L.free(whole)
+                modules.append([(name, numel)])
+        for params in modules:
+            wholes = [L.alloc(name, b * numel, "params_16bit") for name, numel in params]
+            for (name, numel), whole in zip(params, wholes):
+                nbytes = b * -(-numel // self.n)
+                if self.offload_param:
+                    self.partitions[name] = P.pin(P.host_alloc(f"{name} (partition)", nbytes, "params_16bit"),
+                                                  self.pin_memory)
+                else:
+                    self.partitions[name] = L.alloc(f"{name} (partition)", nbytes, "params_16bit")
+                L.free(whole)
 
     # -- gathering ----------------------------------------------------------------------------------------
     def _h2d(self, names: list[str], stream: int) -> list[int | None]:
@@ -191,11 +201,12 @@ class Zero3Params(ModuleHooks):
                 self._all_gather(chosen)
         self.step_id += 1
 
-    def release(self, params: tuple[str, ...], retain: bool = False) -> None:
-        """release_sub_module with __params_to_release's rules."""
+    def release(self, params: tuple[str, ...], retain: bool = False, saved: frozenset | set = frozenset()) -> None:
+        """release_sub_module with __params_to_release's rules; ``saved``: parameters a node keeps through a
+        view (Autograd.saved_param_views), whose gathered storage outlives the release."""
         if not self.complete:
             for p in params:
-                self._release(p, retain)
+                self._release(p, retain or p in saved)
             return
         keep = {p for p in params if self.persistent(p) or self.recent.get(p, -10**12) > self.step_id}
         traversed = 0
@@ -207,7 +218,7 @@ class Zero3Params(ModuleHooks):
                 traversed += self.numel[p]
         for p in params:
             if p not in keep:
-                self._release(p, retain)
+                self._release(p, retain or p in saved)
 
     def partition_all(self) -> None:
         """_partition_all_parameters → release_and_reset_all: in-flight handles waited, everything released."""
@@ -251,7 +262,7 @@ class Zero3Params(ModuleHooks):
         if getattr(ag, "suppress", False):
             return output
         names = tuple(dict.fromkeys(t.param for t in params))
-        self.release(names, retain=getattr(ag, "stop_at", None) is not None)
+        self.release(names, retain=getattr(ag, "stop_at", None) is not None, saved=ag.saved_param_views)
         # PreBackwardFunctionForModule on the output: before the module's backward, fetch it
         return ag.marker(output, lambda names=names: self.fetch(names)) if output.requires_grad else output
 

@@ -105,6 +105,14 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tens
 
 
 def moe(net: Net, x: Tensor, i: int) -> Tensor:
+    """MixtralSparseMoeBlock, a ZeRO-3 leaf module by DeepSpeed's default (Net.leaf): one fetch of the router's
+    and the experts' parameters around the whole block."""
+    p, pre = net.p, f"model.layers.{i}.mlp"
+    params = (p[f"{pre}.gate.weight"], p[f"{pre}.experts.gate_up_proj"], p[f"{pre}.experts.down_proj"])
+    return net.leaf(pre, lambda z: _moe(net, z, i), x, params)
+
+
+def _moe(net: Net, x: Tensor, i: int) -> Tensor:
     """MixtralSparseMoeBlock.forward (no router jitter in the default config): view to [T, h], the router,
     the experts, reshape back; router_logits (the ``_``) and top_k_weights die as it returns."""
     ag = net.ag
