@@ -8,7 +8,7 @@ parameter tensors (memplan.params.parameter_tensors: shapes from each family's m
 
 It is deliberately generous: every term below counts what the code keeps at its worst and then some, so that
 a job it accepts is no likely OOM on a 141 GB H200 (the test holds it above every committed measurement,
-tests/test_sample.py::test_fit_bound_is_above_every_committed_measurement). Per GPU (the emulated rank 0, or
+tests/test_sample_fit.py, which finds it below three seed-2 rows by 2-9 %: a known gap for the next SAMPLER_VERSION). Per GPU (the emulated rank 0, or
 the most loaded real rank), in bytes, with w the training dtype's bytes (2 for bf16 / fp16, 4 for fp32):
 
 - model states (Rajbhandari et al. 2020, ZeRO §3): w·N 16-bit parameters (/ the ZeRO group under ZeRO-3, none
