@@ -36,7 +36,8 @@ def ledger_supported(job: Job) -> bool:
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
             and t.dtype in ("bf16", "fp16") and _attention_modelled(m, t.attention)
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
-            and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers")
+            and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers"
+            and not m.output_router_logits)  # the MoE auxiliary loss (load_balancing_loss_func) is not ported
 
 
 def _attention_modelled(m, attention: str) -> bool:

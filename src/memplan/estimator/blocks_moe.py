@@ -116,13 +116,15 @@ def chunk2(ag: Autograd, x: Tensor, name: str) -> tuple[Tensor, Tensor]:
     return a, c
 
 
-def weight_rows(ag: Autograd, net, x: Tensor, w: Tensor, out_bytes: int, b: int, name: str) -> Tensor:
-    """x [S, h] (the training dtype) · w [S, 1] (fp32): an fp32 [S, h] product (type promotion; on the CPU
-    through an fp32 copy of x). MulBackward0 saves both; in sorted input-name order other's grad grad·x (fp32,
-    the CPU promoting x again), then self's grad·w (fp32); validate_outputs casts self's grad to x's dtype and
-    sums other's to [S, 1], in input order."""
+def weight_rows(ag: Autograd, net, x: Tensor, w: Tensor, out_bytes: int, b: int, name: str,
+                w_bytes: int = FP32) -> Tensor:
+    """x [S, h] (the training dtype) · w [S, 1] (fp32: Mixtral's routing weights; Qwen3-MoE casts its to the
+    training dtype, ``w_bytes`` b): with fp32 weights an fp32 [S, h] product (type promotion; on the CPU
+    through an fp32 copy of x). MulBackward0 saves both; in sorted input-name order other's grad grad·x (the
+    CPU promoting x again), then self's grad·w; validate_outputs casts self's grad to x's dtype and sums
+    other's to [S, 1], in input order."""
     x32 = FP32 * x.nbytes // b
-    mixed = b != FP32
+    mixed = b != w_bytes
 
     def backward(ctx: _Ctx, grad: Tensor, node):
         promoted = ctx.new(f"{name}.bw_promoted", x32) if mixed and net.device == "cpu" else None

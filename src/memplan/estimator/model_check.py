@@ -53,6 +53,12 @@ TINY = {
                       "hidden_dropout": 0.1, "attention_dropout": 0.1},  # 6 heads: not a power of two
     "mixtral_top1": {**_LLAMA, "model_type": "mixtral", "intermediate_size": 48, "num_local_experts": 3,
                      "num_experts_per_tok": 1, "num_key_value_heads": 4},
+    # layer 1 dense (mlp_only_layers); renormalised top-k as Qwen3-30B-A3B, and without
+    "qwen3_moe": {**_LLAMA, "model_type": "qwen3_moe", "head_dim": 16, "intermediate_size": 96,
+                  "moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                  "mlp_only_layers": [1]},
+    "qwen3_moe_unnormed": {**_LLAMA, "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 40,
+                           "num_experts": 3, "num_experts_per_tok": 1, "norm_topk_prob": False},
 }
 
 

@@ -116,7 +116,7 @@ def layer_extras(m, mask: Tensor | None, cos: Tensor, sin: Tensor, pos_ids: Tens
     """The decoder layer's tensor keyword arguments as *Model.forward passes them (Llama and Qwen2/3:
     attention_mask, position_embeddings, position_ids; Mistral and Mixtral: attention_mask, position_ids,
     position_embeddings)."""
-    if m.family in ("mistral", "mixtral"):
+    if m.family in ("mistral", "mixtral", "qwen3_moe"):
         return frame_extras(mask, pos_ids, (cos, sin))
     return frame_extras(mask, (cos, sin), pos_ids)
 

@@ -42,13 +42,15 @@ def _router(net: Net, x: Tensor, w: Tensor, i: int) -> tuple[Tensor, Tensor, Ten
     return logits, weights, indices
 
 
-def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tensor:
+def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int = B.FP32) -> Tensor:
     """grouped_mm_experts_forward(x [T, h], top_k_index, top_k_weights): the routed rows sorted by expert,
     gathered, through gate_up (grouped_mm, masked_fill), act(gate)·up, down (grouped_mm, masked_fill),
-    weighted in fp32, unsorted, summed over the k choices and cast back; its locals die as it returns."""
+    weighted in the routing weights' dtype (``wb`` bytes: fp32 for Mixtral, the training dtype for
+    Qwen3-MoE), unsorted, summed over the k choices and cast back; its locals die as it returns."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
     pre = f"model.layers.{i}.mlp.experts"
-    t, e, k, h, n, b = s.tokens, m.num_experts, m.num_experts_per_tok, m.hidden_size, m.intermediate_size, s.b
+    t, e, k, h, n, b = s.tokens, m.num_experts, m.num_experts_per_tok, m.hidden_size, m.expert_intermediate_size, s.b
+    wo = max(wb, b)  # the product's dtype (type promotion)
     rows = t * k
     expert_ids_g = ag.empty(f"{pre}.sorted_ids", INT64 * rows)  # torch.sort: values, then indices
     perm = ag.empty(f"{pre}.perm", INT64 * rows)
@@ -58,7 +60,7 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tens
     gathered = M.index_rows(ag, net, x, token_of, rows, b * h, f"{pre}.gathered")
     ag.release(token_of)
     w_flat = ag.view(weights)  # top_k_weights.reshape(-1)
-    sample_w = M.index_rows(ag, net, w_flat, perm, rows, B.FP32, f"{pre}.sample_weights")
+    sample_w = M.index_rows(ag, net, w_flat, perm, rows, wb, f"{pre}.sample_weights")
     ag.release(w_flat)
     histc_input = ag.empty(f"{pre}.histc_input", INT32 * rows)  # .float() on the CPU, .int() on CUDA
     per_expert = ag.empty(f"{pre}.tokens_per_expert", INT32 * e)
@@ -80,11 +82,11 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tens
     proj = M.masked_fill(ag, down, sentinel, f"{pre}.down_masked")
     ag.release(down)
     sw = ag.view(sample_w)  # .unsqueeze(-1)
-    weighted = M.weight_rows(ag, net, proj, sw, B.FP32 * rows * h, b, f"{pre}.weighted")
+    weighted = M.weight_rows(ag, net, proj, sw, wo * rows * h, b, f"{pre}.weighted", wb)
     ag.release(sw)
     inv_perm = ag.empty(f"{pre}.inv_perm", INT64 * rows)  # empty_like(perm); inv_perm[perm] = arange(S)
     ag.release(ag.empty(f"{pre}.arange", INT64 * rows))
-    unsorted = M.index_rows(ag, net, weighted, inv_perm, rows, B.FP32 * h, f"{pre}.unsorted")
+    unsorted = M.index_rows(ag, net, weighted, inv_perm, rows, wo * h, f"{pre}.unsorted")
     # weighted_out = weighted_out[inv_perm]; a checkpoint's recompute stops inside this index (it saves the
     # layer's last tensor): the assignment never runs and the old weighted_out dies with the frame's locals
     stopped = ag.suppress
@@ -92,7 +94,7 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int) -> Tens
         ag.release(weighted)
     # .view(T, k, h).sum(1): SumBackward1 expands the grad to [T, k, h], which the view's backward reshapes
     # to [S, h]: a copy unless k is 1
-    summed = ag.op(f"{pre}.sum", B.FP32 * t * h, (unsorted,), (),
+    summed = ag.op(f"{pre}.sum", wo * t * h, (unsorted,), (),
                    lambda ctx, grad, node: (ctx.new(f"grad.{pre}.sum", unsorted.nbytes) if k > 1 else
                                             ag.view(grad, f"grad.{pre}.sum", unsorted.nbytes),))
     out = B.to_dtype(ag, summed, b * t * h, f"{pre}.out")
