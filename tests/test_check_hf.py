@@ -142,3 +142,47 @@ def test_the_launchers_agree(head, capsys):
     job = out["estimate"]["job"]
     assert (job["layout"]["world"], job["training"]["micro_batch"], job["training"]["grad_accum"]) == (8, 2, 2)
     assert "train_batch_size=32" in _by(out, "info")["auto"]["message"]  # 8 · 2 · 2
+
+
+TRL = ("accelerate launch --num_processes 8 trl/scripts/sft.py --model_name_or_path meta-llama/Llama-3.2-1B "
+       "--per_device_train_batch_size 2 --bf16 --warmup_steps 1 --deepspeed {cfg} {extra}")
+
+
+def test_trl_peft_flags_train_an_adapter(capsys):
+    """issue 14: TRL's --use_peft --lora_r --lora_target_modules (trl ModelConfig) are read as the adapter the
+    script trains; the estimate equals the one the --lora-* flags give for the same adapter."""
+    extra = "--use_peft --lora_r 32 --lora_target_modules q_proj v_proj"
+    rc, out = _check(capsys, "--ds-config", ZERO2, "--model", "llama-3.2-1b", "--seq", "2048",
+                     "--launch", TRL.format(cfg=ZERO2, extra=extra))
+    assert rc == 0, out["findings"]
+    lora = out["estimate"]["job"]["training"]["lora"]
+    assert (lora["rank"], tuple(lora["targets"]), lora["dropout"]) == (32, ("q_proj", "v_proj"), 0.05)
+    infos = _by(out, "info")
+    assert "rank 32" in infos["--use_peft"]["message"]
+    assert all("--lora_r" not in subject for subject in infos)  # read, so not "the script's own arguments"
+    rc, flags = _check(capsys, "--ds-config", ZERO2, "--model", "llama-3.2-1b", "--seq", "2048",
+                       "--launch", TRL.format(cfg=ZERO2, extra=""), "--lora-rank", "32",
+                       "--lora-targets", "q_proj,v_proj", "--lora-dropout", "0.05")
+    assert flags["estimate"]["peak_allocated_bytes"] == out["estimate"]["peak_allocated_bytes"]
+    assert flags["estimate"]["trainable_params"] == out["estimate"]["trainable_params"] > 0
+    rc, default = _check(capsys, "--ds-config", ZERO2, "--model", "llama-3.2-1b", "--seq", "2048",
+                         "--launch", TRL.format(cfg=ZERO2, extra="--use_peft"))
+    lora = default["estimate"]["job"]["training"]["lora"]
+    assert lora["rank"] == 16 and lora["dropout"] == 0.05  # TRL's ModelConfig defaults
+
+
+def test_trl_peft_target_the_model_lacks_is_an_error(capsys):
+    extra = "--use_peft --lora_target_modules foo_proj"
+    rc, out = _check(capsys, "--ds-config", ZERO2, "--model", "llama-3.2-1b", "--seq", "2048",
+                     "--launch", TRL.format(cfg=ZERO2, extra=extra))
+    assert rc == 1
+    assert "foo_proj" in _by(out, "error")["--lora_target_modules"]["message"]
+
+
+@pytest.mark.parametrize(("extra", "field"), [("--use_peft --lora_r 0", "--launch --lora_r"),
+                                              ("--use_peft --lora_dropout x", "--launch --lora_dropout"),
+                                              ("--use_peft maybe", "--launch --use_peft")])
+def test_trl_peft_bad_values_exit_2(capsys, extra, field):
+    rc = main(["check", "--ds-config", ZERO2, "--model", "llama-3.2-1b", "--launch", TRL.format(cfg=ZERO2, extra=extra)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"memplan: error: {field}"), err

@@ -324,3 +324,52 @@ def test_estimate_json_shows_trainable_and_frozen_counts(capsys):
     trainable, frozen = counts("--lora-rank", "8", "--lora-targets", "q_proj,v_proj")
     assert full_frozen == 0 and frozen == full_trainable  # the whole base is frozen
     assert 0 < trainable < full_trainable / 100
+
+
+@pytest.mark.parametrize(("argv", "adapter", "field"), [
+    (["--lora-rank", "0", "--lora-targets", "q_proj"], None, "--lora-rank"),
+    (["--lora-rank", "-8", "--lora-targets", "q_proj"], None, "--lora-rank"),
+    (["--lora-rank", "8", "--lora-targets", "foo_proj"], None, "--lora-targets"),
+    (["--lora-rank", "8", "--lora-dropout", "1.5"], None, "--lora-dropout"),
+    (["--peft-config", "{FILE}"], '{"r": 8, "target_modules": ', "--peft-config"),
+    (["--peft-config", "{FILE}"], '{"r": 0, "target_modules": ["q_proj"]}', "--peft-config"),
+    (["--peft-config", "{FILE}"], '{"r": 8, "target_modules": ["foo_proj"]}', "--peft-config"),
+    (["--peft-config", "{FILE}"], '[8, "q_proj"]', "--peft-config"),
+])
+def test_bad_adapter_input_exits_2_with_one_line(argv, adapter, field, tmp_path, capsys):
+    """issue 14: a rank of 0, a target the model lacks, a malformed adapter_config.json → exit 2, one line."""
+    from memplan.cli import main as cli_main
+
+    path = tmp_path / "adapter_config.json"
+    if adapter is not None:
+        path.write_text(adapter)
+    argv = [str(path) if a == "{FILE}" else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(cli_main(["estimate", "--model", "llama-3.2-1b", *argv]))
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert exc.value.code == 2 and captured.out == ""
+    assert len(lines) == 1 and lines[0].startswith(f"memplan: error: {field}"), lines
+
+
+def test_plan_searches_with_the_adapter_fixed(capsys):
+    """issue 14: plan keeps --lora-* fixed; a ranked row's figure is the estimate of that row's job with the adapter."""
+    import json as _json
+
+    from memplan.cli import main as cli_main
+
+    common = ["--model", "llama-3.2-1b", "--gpus", "8", "--seq", "2048"]
+    assert cli_main(["plan", *common, "--gpu", "h100-80g", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj",
+                     "--top", "2", "--json"]) == 0
+    plan = _json.loads(capsys.readouterr().out)
+    assert any("adapter fixed: LoRA rank 8" in a for a in plan["assumptions"]["notes"])
+    row = plan["candidates"][0]
+    flags = ["--zero", str(row["zero"]), "--tp", str(row["tp"]), "--pp", str(row["pp"]), "--sp", str(row["sp"]),
+             "--offload-optimizer", row["offload_optimizer"], "--offload-param", row["offload_param"],
+             "--checkpointing", row["checkpointing"], "--attention", row["attention"],
+             "--micro-batch", str(row["micro_batch"]), "--grad-accum", str(row["grad_accum"])]
+    assert cli_main(["estimate", *common, *flags, "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--json"]) == 0
+    with_adapter = _json.loads(capsys.readouterr().out)
+    assert cli_main(["estimate", *common, *flags, "--json"]) == 0
+    full = _json.loads(capsys.readouterr().out)
+    assert row["peak_allocated_bytes"] == with_adapter["peak_allocated_bytes"] < full["peak_allocated_bytes"]

@@ -102,7 +102,7 @@ def build_job(model, fields: dict[str, Any], source: dict[str, str], origin: dic
     layout = {k: fields[k] for k in LAYOUT_FIELDS if k in fields}
     training = {k: v for k, v in fields.items() if k in TrainingSpec.model_fields}
     if training.get("lora"):
-        training["lora"] = _resolved_lora(model, training["lora"], source)
+        training["lora"] = resolved_lora(model, training["lora"], source, origin or {})
     try:
         return Job(model=model, training=training, layout=layout)
     except ValidationError as err:
@@ -114,13 +114,15 @@ def build_job(model, fields: dict[str, Any], source: dict[str, str], origin: dic
         raise field_error(_subject(tuple(first.get("loc", ())), message), message, source, fields, origin) from None
 
 
-def _resolved_lora(model, lora: dict[str, Any], source: dict[str, str]) -> dict[str, Any]:
+def resolved_lora(model, lora: dict[str, Any], source: dict[str, str], origin: dict[str, str]) -> dict[str, Any]:
     """LoRA targets resolved for the model: peft's family default for "default"; a target the model lacks is
     refused as peft refuses it."""
     from .params import linear_modules
     from .peftconfig import DEFAULT, DEFAULT_TARGETS, resolve_targets
 
-    flag = "--peft-config target_modules" if source.get("lora") == "file" else "--lora-targets"
+    flag = {"file": "--peft-config target_modules",
+            "launch": f"{origin.get('lora', '--launch').split()[0]} --lora_target_modules"}.get(source.get("lora"),
+                                                                                           "--lora-targets")
     try:
         resolve_targets(model.family, tuple(lora["targets"]), linear_modules(model))
     except ValueError as err:

@@ -414,6 +414,19 @@ def resolve_facts(req: JobRequest, gpu=None) -> tuple[Any, dict[str, Any], tuple
     return model, facts, fact_sources(model, req, facts, f.source, f.origin)
 
 
+def resolve_adapters(req: JobRequest, model) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """The adapter flags of ``req`` (--lora-*, --peft-config, --freeze) resolved for ``model``: LoraSpec fields
+    (None: full training) and the frozen groups, which `memplan plan` keeps fixed across its search."""
+    from .jobbuild import resolved_lora
+
+    f = _Fields()
+    _adapters(f, req)
+    lora = f.values.get("lora")
+    if lora is not None:
+        lora = resolved_lora(model, lora, f.source, f.origin)
+    return lora, tuple(f.values.get("freeze", ()))
+
+
 def resolve_job(req: JobRequest, num_training_steps: int | None = None) -> ResolvedJob:
     """The validated Job ``req`` describes, where each value came from, and the Trainer's reading."""
     from .sources import job_sources

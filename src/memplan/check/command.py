@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `memplan check`: the files, the job flags they cannot say, the budgets."""
     from ..options import add_budget_arguments, add_job_arguments, add_launch_arguments
 
-    add_job_arguments(parser, CHECK_FLAGS, required=("--ds-config",), helps=_HELPS, adapters=False)
+    add_job_arguments(parser, CHECK_FLAGS, required=("--ds-config",), helps=_HELPS)
     add_launch_arguments(parser)
     add_budget_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,6 +61,13 @@ class CheckRequest(BaseModel):
     seq: int | None = None
     loop: str | None = None
     training_args: str | None = None
+    #: the adapter flags (--lora-*, --peft-config, --freeze), as estimate takes them; a TRL line's --use_peft
+    #: says the same (check/launch_job.py trl_lora), and these win over it
+    lora_rank: int | None = None
+    lora_targets: str | None = None
+    lora_dropout: float | None = None
+    peft_config: str | None = None
+    freeze: str | None = None
     budget: BudgetRequest = BudgetRequest()
 
 
@@ -142,7 +149,9 @@ def check(req: CheckRequest) -> CheckResult:
         training_args = load_training_args(req.training_args)
     findings, ctx = collect(cfg, req.launch, model, raw, req.gpus, req.seq, req.loop, training_args, req.ds_config)
     job_req = JobRequest(model=req.model, ds_config=req.ds_config, launch=req.launch, gpus=req.gpus, nodes=req.nodes,
-                         seq=req.seq, loop=req.loop, training_args=req.training_args, gpu=req.budget.gpu)
+                         seq=req.seq, loop=req.loop, training_args=req.training_args, gpu=req.budget.gpu,
+                         lora_rank=req.lora_rank, lora_targets=req.lora_targets, lora_dropout=req.lora_dropout,
+                         peft_config=req.peft_config, freeze=req.freeze)
     verdict = estimate_for(ctx, model, job_req, budget)
     return CheckResult(tuple(sort_findings(findings + list(verdict.findings))), verdict.estimate, verdict.label,
                        verdict.sources, budget)
@@ -160,7 +169,8 @@ def request_from_args(args: argparse.Namespace) -> CheckRequest:
         launch = None
     return CheckRequest(ds_config=args.ds_config, launch=launch, model=args.model, gpus=args.gpus, nodes=args.nodes,
                         seq=args.seq, loop=args.loop, training_args=args.training_args,
-                        budget=budget_request_of(args))
+                        lora_rank=args.lora_rank, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
+                        peft_config=args.peft_config, freeze=args.freeze, budget=budget_request_of(args))
 
 
 def result_json(result: CheckResult) -> dict:

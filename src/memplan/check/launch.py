@@ -27,7 +27,17 @@ class Launch(BaseModel):
     script: str | None = None
     script_args: tuple[tuple[str, str | None], ...] = ()  # (flag as written, value or None), in order
     positionals: tuple[str, ...] = ()
+    #: (flag, every word after it up to the next flag), in order: argparse's nargs="+" lists
+    script_lists: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: str = "--launch"  # the flag the line came from (--launch or --launch-file), for error messages
+
+    def script_list(self, flag: str) -> tuple[str, ...] | None:
+        """The words the last ``flag`` was given (an nargs="+" list as argparse keeps the last), None if absent."""
+        out = None
+        for f, words in self.script_lists:
+            if f == flag:
+                out = words
+        return out
 
     def script_value(self, *flags: str) -> str | None:
         """The last value given for any of ``flags`` (as argparse keeps the last)."""
@@ -153,6 +163,18 @@ def _script_args(words: list[str]) -> tuple[list[tuple[str, str | None]], list[s
     return args, positionals
 
 
+def _script_lists(words: list[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Each script flag with the words after it up to the next flag (``--f=a b`` gives a, b)."""
+    out: list[tuple[str, list[str]]] = []
+    for word in words:
+        if word.startswith("--"):
+            flag, eq, value = word.partition("=")
+            out.append((flag, [value] if eq else []))
+        elif out and not (word.startswith("-") and not _is_number(word)):
+            out[-1][1].append(word)
+    return tuple((f, tuple(v)) for f, v in out)
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -172,7 +194,8 @@ def parse_launch(text: str, flag: str = "--launch") -> Launch:
     script = tail[0] if tail else None
     args, positionals = _script_args(tail[1:]) if tail else ([], [])
     launch = Launch(launcher=launcher, launcher_options=options, launcher_unknown=tuple(unknown), script=script,
-                    script_args=tuple(args), positionals=tuple(positionals), source=flag)
+                    script_args=tuple(args), positionals=tuple(positionals),
+                    script_lists=_script_lists(tail[1:]) if tail else (), source=flag)
     from .rules_job import is_megatron
 
     check_counts(launch, is_megatron(launch))

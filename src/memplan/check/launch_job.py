@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import InputError
 from .launch import Launch, launch_world, launcher_int, script_int
 
 #: Megatron-DeepSpeed's flash-attention flags (megatron/arguments.py _add_training_args)
@@ -62,6 +63,46 @@ def megatron_optimizer(launch: Launch) -> str:
     return "sgd" if launch.script_value("--optimizer") == "sgd" else "adamw"
 
 
+#: TRL's ModelConfig (trl/trainer/model_config.py, read by TrlParser from the script's flags; get_peft_config turns
+#: it into peft's LoraConfig): --use_peft, --lora_r (16), --lora_dropout (0.05), --lora_target_modules (nargs "+";
+#: peft's default for the model type when absent), --lora_modules_to_save, --use_rslora, --use_dora
+TRL_LORA_DEFAULTS = {"rank": 16, "dropout": 0.05}
+_TRUE, _FALSE = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")  # transformers' string_to_bool
+
+
+def _trl_bool(launch: Launch, flag: str) -> bool:
+    value = launch.script_value(flag)
+    if value is None:
+        return False
+    if value == "" or value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise InputError(f"{launch.source} {flag}", f"{value!r} is not a boolean; allowed: true or false (or the flag alone)")
+
+
+def trl_lora(launch: Launch) -> dict[str, Any] | None:
+    """The adapter a TRL script's --use_peft line trains (None without --use_peft), as LoraSpec fields."""
+    if not _trl_bool(launch, "--use_peft"):
+        return None
+    rank = script_int(launch, "--lora_r")
+    dropout = launch.script_value("--lora_dropout")
+    lora: dict[str, Any] = {"rank": TRL_LORA_DEFAULTS["rank"] if rank is None else rank,
+                            "targets": launch.script_list("--lora_target_modules") or ("default",),
+                            "dropout": TRL_LORA_DEFAULTS["dropout"]}
+    if dropout is not None:
+        try:
+            lora["dropout"] = float(dropout)
+        except ValueError:
+            raise InputError(f"{launch.source} --lora_dropout", f"{dropout!r} is not a number; allowed: a "
+                             "probability in [0, 1)") from None
+    save = launch.script_list("--lora_modules_to_save")
+    if save:
+        lora["modules_to_save"] = save
+    lora["use_rslora"], lora["use_dora"] = _trl_bool(launch, "--use_rslora"), _trl_bool(launch, "--use_dora")
+    return lora
+
+
 def launch_fields(launch: Launch, megatron: bool) -> dict[str, tuple[Any, str]]:
     """Job field → (value, the flag it came from) for what the line says. ``global_batch`` (Megatron's) is not a
     Job field: the resolver turns it into grad_accum once dp is known."""
@@ -73,6 +114,9 @@ def launch_fields(launch: Launch, megatron: bool) -> dict[str, tuple[Any, str]]:
     if node is not None:
         out["gpus_per_node"] = (node, "--num_gpus" if launch.launcher == "deepspeed" else "launcher")
     if not megatron:
+        lora = trl_lora(launch)
+        if lora is not None:
+            out["lora"] = (lora, "--use_peft")
         return out
     for flag, field in (("--tensor-model-parallel-size", "tp"), ("--pipeline-model-parallel-size", "pp"),
                         ("--ds-sequence-parallel-size", "sp"), ("--micro-batch-size", "micro_batch"),
@@ -94,4 +138,4 @@ def launch_fields(launch: Launch, megatron: bool) -> dict[str, tuple[Any, str]]:
     return out
 
 
-__all__ = ["FLASH_FLAGS", "checkpointing_of", "launch_fields", "megatron_optimizer", "per_node"]
+__all__ = ["FLASH_FLAGS", "checkpointing_of", "launch_fields", "megatron_optimizer", "per_node", "trl_lora"]

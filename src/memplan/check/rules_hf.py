@@ -51,7 +51,8 @@ def trainer_reading(cfg: dict, launch: Launch | None, model: ModelSpec | None, g
     if launch is not None:
         reading = read_flags(launch.script_args, base=training_args)
         args = reading.args
-        findings += _flag_findings(reading, ds_path)
+        findings += _flag_findings(reading, ds_path, launch)
+        findings += _peft_findings(launch, model)
     world = gpus or (launch_world(launch) if launch is not None else None)
     mixed = (launch.launcher_options.get("--mixed_precision") or "no") if launch is not None and \
         launch.launcher == "accelerate" else "no"  # accelerate launch sets ACCELERATE_MIXED_PRECISION
@@ -65,10 +66,42 @@ def trainer_reading(cfg: dict, launch: Launch | None, model: ModelSpec | None, g
     return job, findings
 
 
-def _flag_findings(reading, ds_path: str | None) -> list[Finding]:
+#: TRL's ModelConfig flags that memplan reads (check/launch_job.py trl_lora)
+TRL_PEFT_FLAGS = ("--use_peft", "--lora_r", "--lora_dropout", "--lora_target_modules", "--lora_modules_to_save",
+                  "--use_rslora", "--use_dora", "--lora_alpha", "--lora_task_type")
+
+
+def _peft_findings(launch: Launch, model: ModelSpec | None) -> list[Finding]:
+    """What peft refuses in TRL's adapter flags: a target module the model does not have (LoraModel
+    _create_and_replace raises "Target modules ... not found in the base model")."""
+    from ..params import linear_modules
+    from ..peftconfig import resolve_targets
+    from .launch_job import trl_lora
+
+    lora = trl_lora(launch)
+    if lora is None or model is None:
+        return []
+    try:
+        resolve_targets(model.family, tuple(lora["targets"]), linear_modules(model))
+    except ValueError as err:
+        return [error("--lora_target_modules", f"peft refuses it: {err}",
+                      "name linear modules of the model, or all-linear, or leave the flag out for peft's default")]
+    return []
+
+
+def _flag_findings(reading, ds_path: str | None, launch: Launch | None = None) -> list[Finding]:
+    from .launch_job import trl_lora
+
     out = []
-    if reading.not_trainer:
-        out.append(info(", ".join(reading.not_trainer), "not TrainingArguments flags (the script's own arguments): "
+    lora = trl_lora(launch) if launch is not None else None
+    script_own = [f for f in reading.not_trainer if lora is None or f not in TRL_PEFT_FLAGS]
+    if lora is not None:
+        targets = ", ".join(lora["targets"]).replace("default", "peft's default for the model type")
+        out.append(info("--use_peft", f"TRL's ModelConfig: a LoRA adapter of rank {lora['rank']} on {targets}, dropout "
+                        f"{lora['dropout']:g} (trl get_peft_config → peft LoraConfig); the estimate trains it on a "
+                        "frozen base", ""))
+    if script_own:
+        out.append(info(", ".join(script_own), "not TrainingArguments flags (the script's own arguments): "
                         "memplan did not use them", ""))
     if reading.not_memory:
         out.append(info(", ".join(reading.not_memory), "TrainingArguments flags that do not change memory or the "

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The plan flags: the job facts, the budgets, what the search varies, the output, your configuration."""
     from ..options import add_budget_arguments, add_job_arguments
 
-    add_job_arguments(parser, PLAN_FLAGS, helps=_HELPS, adapters=False)
+    add_job_arguments(parser, PLAN_FLAGS, helps=_HELPS)
     g = parser.add_argument_group("global batch")
     batch = g.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=_count, metavar="N", help="sequences per optimizer step")
@@ -100,7 +100,9 @@ def request_of(args: argparse.Namespace):
     from .request import PlanRequest
 
     job = JobRequest(model=args.model, seq=args.seq, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-                     dtype=args.dtype, model_impl=args.model_impl, gpu=args.gpu)
+                     dtype=args.dtype, model_impl=args.model_impl, gpu=args.gpu, lora_rank=args.lora_rank,
+                     lora_targets=args.lora_targets, lora_dropout=args.lora_dropout, peft_config=args.peft_config,
+                     freeze=args.freeze)
     return PlanRequest(job=job, budget=budget_request_of(args), global_batch=args.global_batch,
                        global_tokens=args.global_tokens, no_offload=args.no_offload, no_nvme=args.no_nvme,
                        max_tp=args.max_tp or 0, max_pp=args.max_pp or 0, max_sp=args.max_sp or 0,

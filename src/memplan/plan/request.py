@@ -68,6 +68,14 @@ def plan_space(req: PlanRequest):
     if req.budget.target_bytes is None:
         notes.append("target: GPU capacity less 5% (at least 2 GiB) for what the estimate cannot see")
     devices = ("none",) if req.no_offload else (("none", "cpu") if req.no_nvme else ("none", "cpu", "nvme"))
+    from ..resolve import resolve_adapters
+
+    lora, freeze = resolve_adapters(req.job, model)
+    if lora is not None:
+        notes.append(f"adapter fixed: LoRA rank {lora['rank']} on {', '.join(lora['targets'])} (every candidate "
+                     "trains it on a frozen base)")
+    if freeze:
+        notes.append(f"frozen groups fixed: {', '.join(freeze)}")
     try:
         space = PlanSpace(
             # a job smaller than a node uses world GPUs of it (what the launcher's --num_gpus says)
@@ -78,7 +86,7 @@ def plan_space(req: PlanRequest):
             (req.budget.nvme_bytes or hw.nvme_bytes_per_node), dtype=facts["dtype"],
             model_impl=facts["model_impl"], zero_stages=req.zero_stages, offload_devices=devices,
             max_tp=req.max_tp, max_pp=req.max_pp, max_sp=req.max_sp, checkpointing=req.checkpointing,
-            attention=req.attention, max_micro_batch=req.max_micro_batch)
+            attention=req.attention, max_micro_batch=req.max_micro_batch, lora=lora, freeze=freeze)
     except ValidationError as err:  # name the field in one line
         raise from_pydantic(err, prefix="plan.") from None
     if space.model_impl == "megatron" and "sdpa" in space.attention:

@@ -124,7 +124,8 @@ def _training(space: PlanSpace, pp: int, zero: ZeroSpec, attention: str = "sdpa"
 
         extra = {"model_impl": "megatron", "megatron": megatron_spec(space.model, pp)}
     return TrainingSpec(seq_len=space.seq_len, dtype=space.dtype, zero=zero, attention=attention,
-                        optimizer=optimizer_run("adamw", zero.offload_optimizer), **extra)
+                        optimizer=optimizer_run("adamw", zero.offload_optimizer), lora=space.lora,
+                        freeze=space.freeze, **extra)
 
 
 def _validated(space: PlanSpace, layout: Layout, zero: dict, attention: str = "sdpa") -> Job:

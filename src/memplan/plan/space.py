@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..specs import Attention, Checkpointing, ModelImpl, ModelSpec, OffloadDevice, TrainDtype
+from ..specs import Attention, Checkpointing, LoraSpec, ModelImpl, ModelSpec, OffloadDevice, TrainDtype
 from .hardware import Hardware
 from .perf import PerfAssumptions
 
@@ -72,6 +72,8 @@ class PlanSpace(BaseModel):
     attention: tuple[Attention, ...] = ("flash", "sdpa", "eager")
     max_micro_batch: int = Field(DEFAULT_MAX_MICRO_BATCH, gt=0)
     perf: PerfAssumptions = PerfAssumptions()
+    lora: LoraSpec | None = Field(None, description="the adapter every candidate trains (fixed, not searched)")
+    freeze: tuple[str, ...] = Field((), description="frozen parameter groups (fixed)")
 
     @model_validator(mode="after")
     def _check(self) -> PlanSpace:
