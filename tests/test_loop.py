@@ -6,6 +6,7 @@ checked from the loops' code as the module docstring cites it.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,3 +129,22 @@ def test_the_loop_leaves_only_what_its_code_keeps(loop, micro, seq, ga, steps, w
     assert live == sorted(expected)
     logits = [t for t in L.live() if L.names[t] == "lm_head"]
     assert len(logits) == (1 if loop == "outputs" else 0)
+
+
+@pytest.mark.parametrize("preset", ["gemma-2-2b", "phi-3-mini", "olmo-2-1b"])
+def test_phase_lists_outputs_minus_loss_is_the_output_object(preset):
+    """issue 11 on the jobs the phase lists predict (the ledger's own is test_ledger_program): keeping the output
+    object adds its logits [T, V] in the training dtype at every moment of the step, so at the peak."""
+    from memplan.api import estimate
+    from memplan.estimator import ledger_supported
+    from memplan.presets import load_model
+
+    model = load_model(preset)
+
+    def job(loop):
+        return Job(model=model, training=TrainingSpec(seq_len=1024, micro_batch=2, loop=loop, zero=ZeroSpec(stage=2)),
+                   layout=Layout(world=8))
+
+    assert not ledger_supported(job("outputs"))
+    logits = 2 * 2 * 1024 * model.vocab_size  # bf16 × micro-batch × seq × V
+    assert estimate(job("outputs")).peak_allocated_bytes - estimate(job("loss")).peak_allocated_bytes == logits
