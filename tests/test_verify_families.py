@@ -154,9 +154,15 @@ def test_family_matrix_parses_and_covers_the_acceptance():
 
     items = [batch.parse_item(json.loads(x), "/tmp/unused") for x in MATRIX.read_text().splitlines() if x.strip()]
     assert [i.error for i in items] == [None] * len(items) and len({i.name for i in items}) == len(items)
+    # the lines the H200 measured out of memory are results (rows-h200-6-families.jsonl); the estimate of today
+    # may rightly call them too large
+    measured = MATRIX.parent / "rows-h200-6-families.jsonl"
+    oom = {r["name"] for r in map(json.loads, measured.read_text().splitlines()) if r["status"] == "oom"}
+    assert oom <= {i.name for i in items}
     for item in items:
         worker.check_supported(item.job)  # raises Unsupported for what the harness cannot run
-        assert item.need_bytes < 130 * GiB and not item.opts["launch"], item.name
+        assert not item.opts["launch"], item.name
+        assert item.name in oom or item.need_bytes < 130 * GiB, item.name
     for family in NEW_FAMILIES:
         jobs = [i.job for i in items if i.job.model.family == family]
         cells = {(j.training.zero.stage, j.training.checkpointing) for j in jobs}
