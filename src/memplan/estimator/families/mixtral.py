@@ -14,35 +14,44 @@ from . import llama
 INT64, INT32 = M.INT64, M.INT32
 
 
-def router(net: Net, x: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+def router(net: Net, x: Tensor, i: int, renormalize: bool = True, weight_bytes: int = B.FP32
+           ) -> tuple[Tensor, Tensor, Tensor]:
     """MixtralTopKRouter.forward on x [T, h] (a module with its weight: ZeRO-3's hooks around all of it):
     logits = F.linear (the training dtype [T, E]), softmax of logits.float() (the copy dies once softmax has
     run), topk, values /= values.sum(-1, keepdim). Returns (router_logits, top_k_weights, top_k_index); the
-    weights are what gradients reach."""
+    weights are what gradients reach. Qwen3MoeTopKRouter is the same code with the division only when
+    norm_topk_prob (``renormalize``) and the weights cast to the logits' dtype (``weight_bytes``: a copy unless
+    that is fp32; Mixtral's stay fp32)."""
     w = net.p[f"model.layers.{i}.mlp.gate.weight"]
-    return net.module(f"model.layers.{i}.mlp.gate", lambda z: _router(net, z, w, i), x, params=(w,), hooked=1)
+    return net.module(f"model.layers.{i}.mlp.gate", lambda z: _router(net, z, w, i, renormalize, weight_bytes),
+                      x, params=(w,), hooked=1)
 
 
-def _router(net: Net, x: Tensor, w: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+def _router(net: Net, x: Tensor, w: Tensor, i: int, renormalize: bool, weight_bytes: int
+            ) -> tuple[Tensor, Tensor, Tensor]:
     ag, m, s = net.ag, net.m, net.s
     pre, t, e, k = f"model.layers.{i}.mlp.gate", s.tokens, m.num_experts, m.num_experts_per_tok
     xr = ag.view(x)  # hidden_states.reshape(-1, hidden_dim): a view node of its own
     logits = B.linear(ag, xr, w, s.b * t * e, pre)
     ag.release(xr)
-    f32 = B.to_dtype(ag, logits, B.FP32 * t * e, f"{pre}.logits_fp32")
+    f32 = B.to_dtype(ag, logits, B.FP32 * t * e, f"{pre}.logits_fp32")  # Qwen3: softmax(dtype=float) converts
     probs = ag.op(f"{pre}.softmax", B.FP32 * t * e, (f32,), ("out",),
                   lambda ctx, grad, node: (ctx.new(f"grad.{pre}.softmax", B.FP32 * t * e),))
     ag.release(f32)
     values, indices = M.topk(ag, probs, t, k, f"{pre}.topk")
-    total = M.sum_last(ag, values, B.FP32 * t, f"{pre}.topk_sum")
-    weights = M.div_inplace(ag, values, total, f"{pre}.normalized")
+    if renormalize:
+        total = M.sum_last(ag, values, B.FP32 * t, f"{pre}.topk_sum")
+        normed = M.div_inplace(ag, values, total, f"{pre}.normalized")
+        ag.release(values)
+        ag.release(total)  # the sum is a temporary of the statement
+        values = normed
+    weights = B.to_dtype(ag, values, weight_bytes * t * k, f"{pre}.weights")  # the fp32 values die if cast
     ag.release(values)
-    ag.release(total)  # the sum is a temporary of the statement
     ag.release(probs)  # router_probs: a local until the function returns
     return logits, weights, indices
 
 
-def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int = B.FP32) -> Tensor:
+def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int) -> Tensor:
     """grouped_mm_experts_forward(x [T, h], top_k_index, top_k_weights): the routed rows sorted by expert,
     gathered, through gate_up (grouped_mm, masked_fill), act(gate)·up, down (grouped_mm, masked_fill),
     weighted in the routing weights' dtype (``wb`` bytes: fp32 for Mixtral, the training dtype for
@@ -111,18 +120,19 @@ def moe(net: Net, x: Tensor, i: int) -> Tensor:
     and the experts' parameters around the whole block."""
     p, pre = net.p, f"model.layers.{i}.mlp"
     params = (p[f"{pre}.gate.weight"], p[f"{pre}.experts.gate_up_proj"], p[f"{pre}.experts.down_proj"])
-    return net.leaf(pre, lambda z: _moe(net, z, i), x, params)
+    return net.leaf(pre, lambda z: block(net, z, i), x, params)
 
 
-def _moe(net: Net, x: Tensor, i: int) -> Tensor:
-    """MixtralSparseMoeBlock.forward (no router jitter in the default config): view to [T, h], the router,
-    the experts, reshape back; router_logits (the ``_``) and top_k_weights die as it returns."""
+def block(net: Net, x: Tensor, i: int, renormalize: bool = True, weight_bytes: int = B.FP32) -> Tensor:
+    """MixtralSparseMoeBlock.forward (no router jitter in the default config), and Qwen3MoeSparseMoeBlock's,
+    which is the same with its router's options (see router): view to [T, h], the router, the experts, reshape
+    back; router_logits (the ``_``) and top_k_weights die as it returns."""
     ag = net.ag
     flat = ag.view(x)
-    logits, weights, index = router(net, flat, i)
+    logits, weights, index = router(net, flat, i, renormalize, weight_bytes)
     pre = f"model.layers.{i}.mlp.experts"
     # self.experts(hidden_states, top_k_index, top_k_weights): both float inputs carry its backward hook
-    out = net.module(pre, lambda z, w: experts(net, z, w, index, i), flat, weights,
+    out = net.module(pre, lambda z, w: experts(net, z, w, index, i, weight_bytes), flat, weights,
                      params=(net.p[f"{pre}.gate_up_proj"], net.p[f"{pre}.down_proj"]))
     ag.release(flat)
     for z in (logits, weights, index):
