@@ -101,7 +101,8 @@ def first_mismatch(real: list[tuple[int, str]], predicted: list[tuple[int, str]]
 
 
 def describe(real: list[tuple[int, str]], predicted: list[tuple[int, str]], at: int, context: int = 6) -> str:
-    """The events around index ``at`` side by side (for an assertion message)."""
+    """The events around index ``at`` side by side (for an assertion message), in first_mismatch's order."""
+    real, predicted = _frees_sorted(real), _frees_sorted(predicted)
     lines = []
     for i in range(max(0, at - context), min(max(len(real), len(predicted)), at + context)):
         r = real[i] if i < len(real) else (None, "")

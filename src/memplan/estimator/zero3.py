@@ -84,7 +84,7 @@ class Zero3(Zero3Params):
         self.micro = 0  # micro_step_id
         self.forwards = 0
         self.epilogue_ran = False
-        self.leaf_of: dict[str, str] = {}  # parameter → its leaf module (grads reduced by the module's hook)
+        self.leaf_params: set[str] = set()  # parameters of leaf modules (grads reduced by the module's hook)
         self.leaf_grads: dict[str, tuple[Tensor, Tensor]] = {}  # param.grad waiting for that hook
 
     # -- initialize -----------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class Zero3(Zero3Params):
         name = param.param
         self.free_retained(name)  # its node released what it saved before AccumulateGrad ran
         ag.saved_param_views.discard(name)
-        if name in self.leaf_of:
+        if name in self.leaf_params:
             self.leaf_grads[name] = (param, grad)
             return
         self._reduce_grad(ag, param, grad)
@@ -160,7 +160,7 @@ class Zero3(Zero3Params):
         reduce_ready_partitions_and_remove_grads."""
         names = tuple(dict.fromkeys(t.param for t in params))
         tensors = {t.param: t for t in params}
-        self.leaf_of.update(dict.fromkeys(names, module))
+        self.leaf_params.update(names)
 
         def reduce_leaf():
             for name in sorted(names, key=self.rank_of.__getitem__):

@@ -27,6 +27,7 @@ copied to the GPU first, then one aligned buffer per parameter; N = 1 takes the 
 from __future__ import annotations
 
 from collections import deque
+from itertools import groupby
 
 from .autograd import Autograd, Tensor
 from .places import Places
@@ -71,14 +72,8 @@ class Zero3Params(ModuleHooks):
         runs when that __init__ returns, each one's partition made and its whole freed (a module of several
         parameters, e.g. transformers' MixtralExperts gate_up_proj and down_proj, holds them all whole at once)."""
         L, P, b = self.L, self.P, self.b
-        modules: list[list[tuple[str, int]]] = []
-        for name, numel in model_order:
-            owner = name.rsplit(".", 1)[0]
-            if modules and modules[-1][0][0].rsplit(".", 1)[0] == owner:
-                modules[-1].append((name, numel))
-            else:
-                modules.append([(name, numel)])
-        for params in modules:
+        for _owner, group in groupby(model_order, key=lambda p: p[0].rsplit(".", 1)[0]):
+            params = list(group)
             wholes = [L.alloc(name, b * numel, "params_16bit") for name, numel in params]
             for (name, numel), whole in zip(params, wholes):
                 nbytes = b * -(-numel // self.n)
