@@ -67,6 +67,9 @@ def megatron_optimizer(launch: Launch) -> str:
 #: it into peft's LoraConfig): --use_peft, --lora_r (16), --lora_dropout (0.05), --lora_target_modules (nargs "+";
 #: peft's default for the model type when absent), --lora_modules_to_save, --use_rslora, --use_dora
 TRL_LORA_DEFAULTS = {"rank": 16, "dropout": 0.05}
+#: every ModelConfig adapter flag: read here, or (alpha, task type) read and without effect on memory
+TRL_PEFT_FLAGS = ("--use_peft", "--lora_r", "--lora_dropout", "--lora_target_modules", "--lora_modules_to_save",
+                  "--use_rslora", "--use_dora", "--lora_alpha", "--lora_task_type")
 _TRUE, _FALSE = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")  # transformers' string_to_bool
 
 
@@ -138,4 +141,4 @@ def launch_fields(launch: Launch, megatron: bool) -> dict[str, tuple[Any, str]]:
     return out
 
 
-__all__ = ["FLASH_FLAGS", "checkpointing_of", "launch_fields", "megatron_optimizer", "per_node", "trl_lora"]
+__all__ = ["FLASH_FLAGS", "TRL_PEFT_FLAGS", "checkpointing_of", "launch_fields", "megatron_optimizer", "per_node", "trl_lora"]

@@ -51,8 +51,11 @@ def trainer_reading(cfg: dict, launch: Launch | None, model: ModelSpec | None, g
     if launch is not None:
         reading = read_flags(launch.script_args, base=training_args)
         args = reading.args
-        findings += _flag_findings(reading, ds_path, launch)
-        findings += _peft_findings(launch, model)
+        from .launch_job import trl_lora
+
+        lora = trl_lora(launch)
+        findings += _flag_findings(reading, ds_path, lora)
+        findings += _peft_findings(lora, model)
     world = gpus or (launch_world(launch) if launch is not None else None)
     mixed = (launch.launcher_options.get("--mixed_precision") or "no") if launch is not None and \
         launch.launcher == "accelerate" else "no"  # accelerate launch sets ACCELERATE_MIXED_PRECISION
@@ -66,19 +69,13 @@ def trainer_reading(cfg: dict, launch: Launch | None, model: ModelSpec | None, g
     return job, findings
 
 
-#: TRL's ModelConfig flags that memplan reads (check/launch_job.py trl_lora)
-TRL_PEFT_FLAGS = ("--use_peft", "--lora_r", "--lora_dropout", "--lora_target_modules", "--lora_modules_to_save",
-                  "--use_rslora", "--use_dora", "--lora_alpha", "--lora_task_type")
 
-
-def _peft_findings(launch: Launch, model: ModelSpec | None) -> list[Finding]:
-    """What peft refuses in TRL's adapter flags: a target module the model does not have (LoraModel
-    _create_and_replace raises "Target modules ... not found in the base model")."""
+def _peft_findings(lora: dict | None, model: ModelSpec | None) -> list[Finding]:
+    """What peft refuses in TRL's adapter flags (``lora``: launch_job.trl_lora's reading): a target module the
+    model does not have (LoraModel _create_and_replace raises "Target modules ... not found in the base model")."""
     from ..params import linear_modules
     from ..peftconfig import resolve_targets
-    from .launch_job import trl_lora
 
-    lora = trl_lora(launch)
     if lora is None or model is None:
         return []
     try:
@@ -89,11 +86,10 @@ def _peft_findings(launch: Launch, model: ModelSpec | None) -> list[Finding]:
     return []
 
 
-def _flag_findings(reading, ds_path: str | None, launch: Launch | None = None) -> list[Finding]:
-    from .launch_job import trl_lora
+def _flag_findings(reading, ds_path: str | None, lora: dict | None = None) -> list[Finding]:
+    from .launch_job import TRL_PEFT_FLAGS
 
     out = []
-    lora = trl_lora(launch) if launch is not None else None
     script_own = [f for f in reading.not_trainer if lora is None or f not in TRL_PEFT_FLAGS]
     if lora is not None:
         targets = ", ".join(lora["targets"]).replace("default", "peft's default for the model type")
