@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=270.0, help="seconds; nothing starts after it")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
     ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--trace", action="store_true",
+                    help="record each case's allocation trace (WORK/<name>/trace.json.gz, memplan.allocator.trace)")
     ns = ap.parse_args(argv)
     out = Path(ns.out)
     work = Path(ns.work) if ns.work else out / "work"
@@ -109,7 +111,9 @@ def _launch(case: MegatronCase, device: str, work_root: Path, env: dict, ns) -> 
     work.mkdir(parents=True, exist_ok=True)
     task = {"case": case.model_dump(), "device": device, "out": str(work / "row.json"),
             "command": ["python", "-m", "memplan.verify.megatron_runner", ns.matrix, "--out", ns.out,
-                        "--device", device, "--only", case.name]}
+                        "--device", device, "--only", case.name] + (["--trace"] if ns.trace else [])}
+    if ns.trace and device == "cuda":
+        task["trace"] = str(work / "trace.json.gz")
     (work / "task.json").write_text(json.dumps(task))
     log = open(work / "worker.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen([sys.executable, "-m", "memplan.verify.megatron_worker", str(work / "task.json")],

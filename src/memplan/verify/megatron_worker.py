@@ -257,14 +257,22 @@ class LayerProbe:
             h.remove()
 
 
-def run(case: MegatronCase, device: str) -> dict[str, Any]:
-    """Build, then micro-steps; the row's phases, per-layer figures and status."""
+def run(case: MegatronCase, device: str, trace: str | None = None) -> dict[str, Any]:
+    """Build, then micro-steps; the row's phases, per-layer figures and status. ``trace`` (CUDA only): record
+    the caching allocator's trace of the micro-steps there (memplan.allocator.trace's compact format, the
+    phases marked as verify marks them)."""
     import torch
+
+    from .phases import TRACE_MAX_ENTRIES, memplan_phase_marker
 
     meter = Meter(device)
     phases: list[dict[str, Any]] = []
+    labels: list[str] = []
 
     def phase(name, fn):
+        if trace and name != "init":
+            labels.append(name)
+            memplan_phase_marker(torch, device)
         meter.reset()
         t0 = time.perf_counter()
         out = fn()
@@ -282,6 +290,8 @@ def run(case: MegatronCase, device: str) -> dict[str, Any]:
     mask = None if case.flash else torch.triu(
         torch.ones(case.seq, case.seq, dtype=torch.bool, device=device), diagonal=1).view(1, 1, case.seq, case.seq)
     probe = None
+    if trace:
+        torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, stacks="python")
     for i in range(case.micro_steps):
         if i == 0:
             probe = LayerProbe(model, meter)
@@ -292,9 +302,19 @@ def run(case: MegatronCase, device: str) -> dict[str, Any]:
             loss = phase(f"micro{i}.forward", lambda: model(ids, positions, mask, labels=ids))
         phase(f"micro{i}.backward", lambda loss=loss: loss.mean().backward())
         del loss
+    extra: dict[str, Any] = {}
+    if trace:
+        from ..allocator.trace import compact_trace, write_trace
+
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        write_trace(trace, compact_trace(snapshot, max_entries=TRACE_MAX_ENTRIES), {"phases": labels,
+                                                                                     "alloc_conf": ""})
+        extra["trace_file"] = trace
     peaks = [p["peak_allocated_bytes"] for p in phases if p["peak_allocated_bytes"] is not None]
     return {"phases": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
-            "layer_forward_delta_bytes": probe.deltas, "saved_bytes": probe.saved_bytes(), "vocab_padded": vocab}
+            "layer_forward_delta_bytes": probe.deltas, "saved_bytes": probe.saved_bytes(), "vocab_padded": vocab,
+            **extra}
 
 
 def substitutions(case: MegatronCase) -> list[str]:
@@ -320,7 +340,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
         "megatron_core": megatron_core_version(), "substitutions": substitutions(case), "status": "ok",
         "error": None, "phases": []}
     try:
-        row.update(run(case, task["device"]))
+        row.update(run(case, task["device"], task.get("trace")))
     except Exception as exc:  # noqa: BLE001 - every failure is a result, logged in full to stderr
         traceback.print_exc()
         oom = "out of memory" in str(exc).lower()
