@@ -17,6 +17,7 @@ from memplan.accuracy import (
     LEDGER,
     PHASES,
     Comparison,
+    allocator_retried,
     by_group,
     compare_rows,
     false_fits,
@@ -57,9 +58,11 @@ _PHASES = ("jobs outside the ledger (Ulysses sp > 1, masked sdpa, LoRA, pp, Deep
 _CHECK = ("the held-out split is judged, never studied: its median holds; its worst rows (not inspected, issue 13) "
           "are where the tuned rows are off too: MoE, DeepSeek-V3, Ulysses sp > 1, and the reserved figure")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("tuned-ledger", "allocated worst"): ("the Mixtral 8x7B width under ZeRO-3 with checkpointing is 3-3.5 % under from "
-                                          "the second step (step 0 exact: the trace-driven prefetch around the MoE leaf "
-                                          "module, not found yet); s1-099 (GPT-3 175B width, ZeRO-3) 3.3 % under"),
+    ("tuned-ledger", "allocated worst"): ("MoE under ZeRO-3 with checkpointing: s3-006 (Qwen3-30B-A3B width, the "
+                                          "Trainer, eager) 7 % under and the Mixtral 8x7B width 3-5 % under from the "
+                                          "second step (step 0 exact: the trace-driven prefetch around the MoE leaf "
+                                          "module, not found yet; both traced, traces/ and traces-layered/); s1-099 "
+                                          "(GPT-3 175B width, ZeRO-3) 3.3 % under"),
     ("tuned-ledger", "reserved worst"): _RESERVED_LEDGER,
     ("tuned-ledger", "reserved under"): _RESERVED_LEDGER,
     ("tuned-phases", "allocated worst"): _PHASES,
@@ -75,7 +78,8 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
 def _bar_values(points):
     median, worst = summary(points)
     n, rmedian, rworst, under = reserved_summary(points)
-    assert n == len(points), "every measured point records its reserved peak"
+    judged = [p for p in points if not (p.reserved_lower_bound and p.reserved_error is None)]
+    assert n == len(judged), "every measured point records its reserved peak"
     return {"allocated median": (median, ALLOC_MEDIAN), "allocated worst": (worst, ALLOC_WORST),
             "reserved median": (rmedian, RESERVED_MEDIAN), "reserved worst": (rworst, RESERVED_WORST),
             "reserved under": (under, RESERVED_UNDER)}
@@ -148,3 +152,17 @@ def test_split_of_a_row_comes_from_the_row(tmp_path, capsys):
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memplan: error: paths:")
+
+
+def test_a_reserved_peak_measured_through_allocator_retries_judges_only_an_under():
+    """A row whose allocator took the retry path measured a lower bound of reserved: a prediction above it is not
+    judged (None), one below it is a real under."""
+    row = {"phases": [{"name": "init", "stats": {"num_alloc_retries": 0}},
+                      {"name": "step0.micro0.backward", "stats": {"num_alloc_retries": 2}}]}
+    assert allocator_retried(row) and not allocator_retried({"phases": [{"stats": {"num_alloc_retries": 0}}]})
+    assert not allocator_retried({})
+    base = {"name": "j", "measured_bytes": 100, "predicted_bytes": 100, "measured_phase": None,
+            "predicted_phase": "p", "measured_reserved_bytes": 200}
+    assert Comparison(**base, predicted_reserved_bytes=220, reserved_lower_bound=True).reserved_error is None
+    assert Comparison(**base, predicted_reserved_bytes=180, reserved_lower_bound=True).reserved_error == -0.1
+    assert Comparison(**base, predicted_reserved_bytes=220).reserved_error == pytest.approx(0.1)

@@ -245,3 +245,28 @@ def test_model_events_in_blocks_keep_kernel_temporaries():
     assert len(blocks) > len(plain)
     assert all(abs(size) % 512 == 0 for size, _, _ in blocks)
     assert any(name.endswith(".tmp") for _, name, _ in blocks)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_softmax_backward_makes_cudas_grad_times_output_temporary(device):
+    # F.softmax(x, -1, dtype=fp32) of a bf16 [1024] input (2 KiB): the fp32 copy 4 KiB, the output 4 KiB; in
+    # backward _softmax_backward_data's grad of the copy 4 KiB, and on CUDA (SoftMax.cu
+    # softmax_backward_cuda_out) tmp = grad * output 4 KiB, allocated after it and freed at once
+    from memplan.estimator import blocks as B
+    from memplan.estimator.autograd import Autograd
+    from memplan.ledger import Ledger
+
+    L = Ledger()
+    ag = Autograd(L)
+    x = ag.empty("x", 2048, requires_grad=True)
+    x.node = None
+    y = B.softmax(ag, x, 4096, "sm", device=device)
+    ag.backward(y, 4096)
+    events = [(L.names[e if e >= 0 else ~e], e >= 0) for e in L.events]
+    grads = [ev for ev in events if ev[0].startswith("grad.sm")]
+    assert grads[0] == ("grad.sm", True)
+    tmp = [ev for ev in grads if ev[0] == "grad.sm.grad_times_output"]
+    assert tmp == ([("grad.sm.grad_times_output", True), ("grad.sm.grad_times_output", False)]
+                   if device == "cuda" else [])
+    if device == "cuda":  # right after the grad it serves
+        assert grads[1:3] == tmp

@@ -23,6 +23,7 @@ import pytest
 
 from memplan.accuracy import job_of_row, skipped_steps
 from memplan.allocator.trace import ledger_from_trace, read_trace
+from memplan.estimator import ledger_supported
 from memplan.estimator.program import build_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,10 +79,15 @@ LEDGER_KINDS = {"loop.position_ids": "inputs", "loop.input_ids": "inputs", "engi
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.name.split(".")[0] for p in TRACES])
 def test_deepspeed_loop_matches_the_gpu_trace(path):
-    row = _rows()[path.name.split(".")[0]]
+    row = _rows().get(path.name.split(".")[0])
+    if row is None:
+        pytest.skip("the trace of a check-split job: held out (issue 13), never studied")
     trace = read_trace(str(path))
     phases = trace["extra"]["phases"]
     job = job_of_row(row)
+    if not ledger_supported(job):
+        pytest.skip("a job the ledger does not model yet (estimator.ledger_supported): its trace is for finding the "
+                    "tensors the phase lists miss")
     t = job.training
     logits = t.micro_batch * t.seq_len // job.layout.sp * job.model.vocab_size * 2  # bf16 [B, S, V]
 

@@ -6,7 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.megatron import layer_terms, outside_terms, selective_terms, stage_activations
-from memplan.megatron.layer import attention_path, layer_input_bytes_per_token
+from memplan.megatron.layer import (
+    attention_path,
+    before_scores_bytes_per_token,
+    layer_input_bytes_per_token,
+    score_peak_bytes_per_token,
+)
 from memplan.megatron.shape import padded_vocab, tokens_per_rank
 from memplan.specs import Job, Layout, MegatronSpec, ModelSpec, TrainingSpec
 
@@ -91,6 +96,34 @@ def test_torch_softmax_path_above_the_kernel_limit():
     # no attention dropout: fp32 softmax 4 + its 16-bit cast 2 = 6·a·s; no masks: 32·h
     j0 = job(seq=8192, hidden_dropout=0, attention_dropout=0)
     assert per_token(j0) == 32 * 1024 + 6 * 16 * 8192
+
+
+def test_core_attention_score_peaks_by_hand():
+    # bf16, s = 8192, 16 heads, tp 1 (torch-softmax, softmax in fp32): a·s = 16 · 8192 score elements a token.
+    # Forward, at probs.bfloat16(): baddbmm's output 2, input.float() 4, softmax's output 4, the cast 2 = 12.
+    # Backward (CUDA): the saved fp32 output, the incoming fp32 grad, the new grad, tmp = grad * output: 16
+    j = job(seq=8192, dtype="bf16", hidden_dropout=0, attention_dropout=0)
+    assert score_peak_bytes_per_token(j.model, j) == (12 * 16 * 8192, 16 * 16 * 8192)
+    # fp32 training: no copy and no cast (4 + 4); the fused kernel (s = 2048): scores and output, 2b both ways
+    j32 = job(seq=8192, dtype="fp32", hidden_dropout=0, attention_dropout=0)
+    assert score_peak_bytes_per_token(j32.model, j32) == (8 * 16 * 8192, 16 * 16 * 8192)
+    jf = job(seq=2048, dtype="bf16", masked_softmax_fusion=True)
+    assert attention_path(jf.model, jf) == "fused-softmax"
+    assert score_peak_bytes_per_token(jf.model, jf) == (4 * 16 * 2048, 4 * 16 * 2048)
+    jflash = job(attention="flash", dtype="bf16")
+    assert score_peak_bytes_per_token(jflash.model, jflash) == (0, 0)
+    # before the score matmul the layer has saved LN1's input 2h and stats 8, the qkv input 2h, qkv 6h
+    assert before_scores_bytes_per_token(layer_terms(j.model, j)) == 10 * 1024 + 8
+
+
+def test_stage_score_peaks_count_the_other_layers_once():
+    # no recompute: the forward peak is in the last layer, beside the three layers before it
+    j = job(seq=8192, dtype="bf16", hidden_dropout=0, attention_dropout=0)
+    a = stage_activations(j.model, j, layers=4)
+    fwd, _ = score_peak_bytes_per_token(j.model, j)
+    before = before_scores_bytes_per_token(layer_terms(j.model, j))
+    embedding_side = sum(t.bytes_per_token for t in outside_terms(j.model, j, True, False))
+    assert a.forward_layer_peak == 3 * a.layer_saved + (embedding_side + before + fwd) * 8192
 
 
 def test_flash_path_by_hand():

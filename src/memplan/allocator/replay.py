@@ -92,7 +92,11 @@ def ledger_from_trace(trace: dict, *, phases: list[str] | None = None, allow_inc
 
     Phase marks: the n-th allocation from ``memplan_phase_marker`` starts the n-th label of ``phases`` (default:
     the trace's ``extra["phases"]``; ``phaseN`` when there are none); the marker's own events are dropped. A run
-    of segment releases made by torch.cuda.empty_cache becomes one EMPTY_CACHE mark. Raises ValueError for a
+    of segment releases made by torch.cuda.empty_cache becomes one EMPTY_CACHE mark, and so does a run the OOM path
+    made (``malloc`` → ``release_cached_blocks`` after a failed cudaMalloc: with max_split_size unset it frees every
+    whole cached segment, as empty_cache does), labelled ``oom_path_release``: when the card was shared, the other
+    processes' memory decided when that happened, which the trace records and no card size replays. Raises
+    ValueError for a
     trace that lost events (see trace.check_integrity) unless ``allow_incomplete``, and when the markers and the
     labels disagree in number."""
     _require_complete(trace, allow_incomplete)
@@ -109,9 +113,9 @@ def ledger_from_trace(trace: dict, *, phases: list[str] | None = None, allow_inc
     in_release = False
     for idx, (a, ad, sz, st, fr) in enumerate(zip(trace["action"], trace["addr"], trace["size"], trace["stream"],
                                                    trace["frame"])):
-        if idx in empty_cache:
+        if a in (SEGMENT_FREE, SEGMENT_UNMAP):
             if not in_release:
-                led.mark("empty_cache", EMPTY_CACHE)
+                led.mark("empty_cache" if idx in empty_cache else "oom_path_release", EMPTY_CACHE)
             in_release = True
             continue
         in_release = False

@@ -246,25 +246,36 @@ def matmul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str, copy_a
     return out
 
 
-def softmax(ag: Autograd, x: Tensor, out_bytes: int, name: str, half_to_float: bool = False) -> Tensor:
+def softmax_backward_data(ctx, name: str, in_bytes: int, grad_bytes: int, device: str) -> tuple:
+    """aten _softmax_backward_data: the grad of the input (in_bytes); on CUDA (SoftMax.cu
+    softmax_backward_cuda_out) the structured output comes first, then ``Tensor tmp = grad * output`` of the
+    grad's size, freed as the kernel returns. The CPU kernel makes no temporary."""
+    g = ctx.new(f"grad.{name}", in_bytes)
+    if device == "cuda":
+        ctx.free(ctx.new(f"grad.{name}.grad_times_output", grad_bytes))
+    return (g,)
+
+
+def softmax(ag: Autograd, x: Tensor, out_bytes: int, name: str, half_to_float: bool = False,
+            device: str = "cuda") -> Tensor:
     """F.softmax(x, -1, dtype=fp32) (aten softmax): the input cast to fp32 first (x.to(fp32), a copy freed
     once _softmax has run; none for fp32 inputs, nor on CUDA's half_to_float path for fp16 inputs), then
-    _softmax; SoftmaxBackward0 saves its result and allocates one grad of the input's size
-    (_softmax_backward_data)."""
+    _softmax; SoftmaxBackward0 saves its result; its backward is softmax_backward_data's."""
     src = x if half_to_float else to_dtype(ag, x, out_bytes, f"{name}.input_fp32")
     in_bytes = src.nbytes
     y = ag.op(name, out_bytes, (src,), ("out",),
-              lambda ctx, grad, node: (ctx.new(f"grad.{name}", in_bytes),))
+              lambda ctx, grad, node: softmax_backward_data(ctx, name, in_bytes, out_bytes, device))
     if not half_to_float:
         ag.release(src)  # to_dtype's reference (x itself when it is fp32 already)
     return y
 
 
-def safe_softmax(ag: Autograd, x: Tensor, name: str, rows: int) -> Tensor:
+def safe_softmax(ag: Autograd, x: Tensor, name: str, rows: int, device: str = "cuda") -> Tensor:
     """aten _safe_softmax (the math attention's softmax): softmax (saved by SafeSoftmaxBackward0), then the
     rows that are all -inf (x == -inf as bool, all over the last dim: [.., 1] bool) zeroed in place; the two
-    bool temporaries die in reverse order. Backward: _softmax_backward_data (x's size)."""
-    y = ag.op(name, x.nbytes, (x,), ("out",), lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),))
+    bool temporaries die in reverse order. Backward: softmax_backward_data (x's size)."""
+    y = ag.op(name, x.nbytes, (x,), ("out",),
+              lambda ctx, grad, node: softmax_backward_data(ctx, name, x.nbytes, x.nbytes, device))
     neginf = ag.empty(f"{name}.isneginf", x.nbytes // FP32)  # its input is fp32
     masked_rows = ag.empty(f"{name}.masked_rows", rows)
     ag.release(masked_rows)

@@ -161,7 +161,8 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
         masked = B.add(ag, scaled, mask, f"{name}.masked")
         ag.release(scaled)
         scaled = masked
-    probs32 = B.softmax(ag, scaled, g.scores(FP32), f"{name}.softmax", half_to_float=_half_to_float(net, g))
+    probs32 = B.softmax(ag, scaled, g.scores(FP32), f"{name}.softmax", half_to_float=_half_to_float(net, g),
+                        device=net.device)
     probs = B.to_dtype(ag, probs32, g.scores(), f"{name}.probs")
     ag.release(probs32)
     ag.release(scaled)

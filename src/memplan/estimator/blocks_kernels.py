@@ -263,7 +263,7 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     ag.release(ks)
     if mask is not None and g.b != FP32:  # attn.add_(mask): the 16-bit mask cast to fp32 for the add
         ag.release(ag.empty(f"{name}.mask_fp32", FP32 * mask.nbytes // g.b))
-    probs = B.safe_softmax(ag, scores, f"{name}.softmax", g.batch * g.heads * g.seq)
+    probs = B.safe_softmax(ag, scores, f"{name}.softmax", g.batch * g.heads * g.seq, net.device)
     ag.release(scores)
     dropped = B.dropout(ag, probs, dropout, FP32, f"{name}.dropout", net.device)
     ag.release(probs)  # attn rebound to the dropout's output

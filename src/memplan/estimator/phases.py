@@ -142,6 +142,10 @@ class Activations:
     total: int  # everything saved at the end of forward
     transient: int  # gradient temporaries inside one layer's backward
     first_layer: int = 0  # layer 0's difference when its input needs no grad (a frozen embedding, <= 0)
+    #: Megatron's CoreAttention: all activations at its forward / backward peak in the stage's last layer
+    #: (memplan.megatron.stage._score_peaks; 0 where the phases above already hold the peak)
+    attention_forward: int = 0
+    attention_backward: int = 0
 
 
 def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activations:
@@ -283,6 +287,14 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
              "layer 0 (+ the other in-flight micro-batches)"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
     ]
+    if a.attention_forward:
+        layers += [
+            ("forward, attention", fwd + [("activations", other_in_flight + a.pipe + a.attention_forward,
+                                           "the layers so far and CoreAttention's score-sized tensors")]),
+            ("backward, attention", fwd + tied + grads + [
+                ("gradients", g.top, "gradients so far"),
+                ("activations", other_in_flight + a.pipe + a.attention_backward,
+                 "the layers and CoreAttention's score-sized grads (softmax backward)")])]
     if not last:
         note = f"{share.layers} layers × {a.in_flight} micro-batch(es) in flight"
         return [("forward, end of stage", fwd + [("activations", a.total, note)]), *layers, step]

@@ -105,13 +105,21 @@ def predict(case: MegatronCase) -> dict[str, int]:
     layer_grad = s.b * ((4 * s.h * s.h + 2 * s.h * s.ffn) // s.tp)  # one layer's weight grads
     base = params + a.buffers
     held = a.saved_layers + a.outside
-    forward = base + held + loss_forward_transient_per_token(m, job) * tokens
+    forward = max(base + held + loss_forward_transient_per_token(m, job) * tokens, base + a.forward_layer_peak)
+    # the loss's backward turns its saved fp32 softmax into the grad in place; the grad's cast to the logits'
+    # dtype (ToCopyBackward of .float()) exists beside it before the fp32 grad is freed
+    at_cast = base + held + s.b * v * tokens
     after_loss = base + held - 4 * v * tokens + loss_backward_transient_per_token(m, job) * tokens
     top = base + a.saved_layers + a.recompute - (0 if a.recompute else a.layer_saved) + a.backward_transient
     end = base + head_grad  # the embedding's dense grad before it is added into the tied .grad
-    first = {"forward": forward, "backward": max(after_loss + head_grad, top + head_grad + layer_grad,
-                                                 end + params)}
-    later = {"forward": forward + params, "backward": max(after_loss, top + layer_grad, end) + params}
+    scores = base + a.backward_layer_peak  # CoreAttention's backward in the last layer (0: flash)
+    # the tied weight's AccumulateGrad runs once both uses have sent their grads: the output layer's [V/t, h]
+    # grad waits in its InputBuffer through every layer's backward, in every micro-step
+    first = {"forward": forward, "backward": max(at_cast, after_loss + head_grad, top + head_grad + layer_grad,
+                                                 scores + head_grad + layer_grad, end + params)}
+    # from the second micro-step every .grad exists: no weight grad is in flight beside the softmax's backward
+    later = {"forward": forward + params, "backward": max(at_cast, after_loss + head_grad, top + head_grad
+                                                          + layer_grad, scores + head_grad, end) + params}
     out = {"init": params}
     for i in range(case.micro_steps):
         for phase, peak in (first if i == 0 else later).items():

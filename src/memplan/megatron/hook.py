@@ -23,7 +23,8 @@ def estimator_activations(job: Job, layers: int, first: bool, last: bool):
     return Activations(
         layer_saved=a.saved_layers // max(1, layers), recompute=a.recompute, in_flight=in_flight,
         pipe=pipe + a.buffers, lsm=4 * v * s.tokens if last else 0,
-        total=in_flight * a.saved_layers + a.outside + pipe + a.buffers, transient=a.backward_transient)
+        total=in_flight * a.saved_layers + a.outside + pipe + a.buffers, transient=a.backward_transient,
+        attention_forward=a.forward_layer_peak, attention_backward=a.backward_layer_peak)
 
 
 def loss_transients(job: Job) -> tuple[int, int, int]:

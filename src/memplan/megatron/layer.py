@@ -203,3 +203,50 @@ def layer_input_bytes_per_token(model: ModelSpec, job: Job) -> int:
     if meg.distribute_saved_activations or (meg.deepspeed_activation_checkpointing and meg.partition_activations):
         parts = s.tp * s.r
     return split(s.b * s.h, parts)
+
+
+#: the score-sized tensors CoreAttention saves (forward order: they follow what the layer saved before the score
+#: matmul, and precede the dense projection's input)
+SCORE_TERMS = ("attn.softmax_out", "attn.softmax_out_fp32", "attn.probs", "attn.dropout_mask", "attn.probs_dropped")
+
+
+def before_scores_bytes_per_token(terms: tuple[Term, ...]) -> int:
+    """What a layer has saved when CoreAttention's score matmul runs: the terms before the first score term
+    (layer_terms' order is the forward's)."""
+    out = 0
+    for x in terms:
+        if x.name in SCORE_TERMS or x.name == "attn.dense_input":
+            break
+        out += x.bytes_per_token
+    return out
+
+
+def score_peak_bytes_per_token(model: ModelSpec, job: Job) -> tuple[int, int]:
+    """(forward, backward) score-sized bytes alive at once at CoreAttention's peaks, per token of this rank, from
+    megatron-core 0.16.1 dot_product_attention.py DotProductAttention.forward and fused_softmax.py
+    forward_torch_softmax; 0 on the flash path.
+
+    Forward, at ``probs.bfloat16()`` (grad mode or not): baddbmm's output (its ``beta=0`` input is the global
+    memory buffer, outside.py; matmul_result / attention_scores stay referenced until forward returns), the fp32
+    copy ``input.float()`` (forward_torch_softmax's ``input`` until it returns; masked_fill_ works in place),
+    softmax's fp32 output and the 16-bit probabilities: b + 4 + 4 + b. Under no_grad (a fully recomputed
+    layer's first forward, selective's checkpointed core attention) the same four are alive. fp32 training: no
+    copy, no cast (4 + 4); 16-bit softmax or the fused kernel: scores and output (2b).
+
+    Backward, in _softmax_backward_data on CUDA (SoftMax.cu softmax_backward_cuda_out): the saved fp32 output,
+    the incoming fp32 grad (ToCopyBackward of the cast), the new grad and ``tmp = grad * output``: 4 · 4 (the
+    16-bit probabilities are freed with bmm's backward; measured: benchmarks/megatron/traces/); 16-bit: 4b;
+    the fused kernel's backward writes in place: 2b. (The CPU kernel has no tmp: tools/megatron_cpu_peaks.py
+    reads 4 bytes an element less there.)"""
+    path = attention_path(model, job)
+    if path == "flash":
+        return 0, 0
+    s = resolve(model, job)
+    meg, b = job.training.megatron, s.b
+    elems = s.nh * s.seq_in // s.tp
+    if path == "fused-softmax":
+        return 2 * b * elems, 2 * b * elems
+    if meg.attention_softmax_in_fp32 or b == 4:
+        fwd = (4 + 4) if b == 4 else (b + 4 + 4 + b)
+        return fwd * elems, 16 * elems
+    return 2 * b * elems, 4 * b * elems

@@ -15,9 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..specs import Job, ModelSpec
-from .layer import SELECTIVE_DROPPED, attention_path, layer_input_bytes_per_token, layer_terms, selective_terms
+from .layer import (
+    attention_path,
+    before_scores_bytes_per_token,
+    layer_input_bytes_per_token,
+    layer_terms,
+    score_peak_bytes_per_token,
+    selective_terms,
+)
 from .outside import buffers, outside_terms
-from .shape import resolve, uses_pipe_engine
+from .shape import resolve, split, uses_pipe_engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +38,10 @@ class StageActivations:
     outside: int  # outside_terms of this stage
     buffers: int  # global memory buffer and masks
     backward_transient: int  # gradient temporaries inside one layer's backward
+    #: activations alive at CoreAttention's forward / backward peak in the stage's last layer (0 on the flash
+    #: path, whose peaks are the loss's and the MLP's)
+    forward_layer_peak: int = 0
+    backward_layer_peak: int = 0
 
 
 def _sum(terms) -> int:
@@ -63,38 +74,47 @@ def stage_activations(model: ModelSpec, job: Job, layers: int, first: bool = Tru
         recompute = per_chunk * full
     else:
         kept, recompute = layers * saved, 0
+    fwd_peak, bwd_peak = _score_peaks(model, job, layers, first, saved, kept, per_chunk, full)
     return StageActivations(
         layer_full=full, layer_saved=saved, saved_layers=kept, recompute=recompute,
         outside=_sum(outside_terms(model, job, first, last)) * tokens,
         buffers=sum(b.bytes for b in buffers(model, job, in_flight)),
-        backward_transient=backward_transient_per_token(model, job) * tokens)
+        backward_transient=backward_transient_per_token(model, job) * tokens,
+        forward_layer_peak=fwd_peak, backward_layer_peak=bwd_peak)
+
+
+def _score_peaks(model: ModelSpec, job: Job, layers: int, first: bool, saved: int, kept: int, per_chunk: int,
+                 full: int) -> tuple[int, int]:
+    """(forward, backward) activations at CoreAttention's peaks in the stage's last layer (layer.py
+    score_peak_bytes_per_token): the other layers as kept (a recomputed chunk: its inputs, and in backward the
+    chunk's earlier layers again), the embedding side's tensors, what the layer saved before the score matmul,
+    the score-sized tensors; in backward also the grads waiting beside them (bmm's grad of v until the qkv
+    split's backward has all three, and the residual stream's grads [T/r, h])."""
+    fwd_scores, bwd_scores = score_peak_bytes_per_token(model, job)
+    if not fwd_scores or layers < 1:
+        return 0, 0
+    s = resolve(model, job)
+    tokens = s.tokens
+    terms = selective_terms(model, job) if job.training.checkpointing == "selective" else layer_terms(model, job)
+    before = before_scores_bytes_per_token(terms) * tokens
+    pre = _sum(outside_terms(model, job, first, False)) * tokens
+    others_fwd = kept if per_chunk else (layers - 1) * saved
+    others_bwd = kept + (per_chunk - 1) * full if per_chunk else (layers - 1) * saved
+    grads = (s.b * (s.q + 2 * s.kv) // s.tp + 2 * split(s.b * s.h, s.r)) * tokens
+    return (others_fwd + pre + before + fwd_scores * tokens,
+            others_bwd + pre + before + bwd_scores * tokens + grads)
 
 
 def backward_transient_per_token(model: ModelSpec, job: Job) -> int:
-    """The largest set of gradient temporaries inside one layer's backward, above what the layer saved
-    (modelled from the code, to be held to the harness's phase peaks).
+    """The largest set of gradient temporaries inside one layer's backward, above what the layer saved.
 
     MLP: the grad of dense_4h_to_h's input and bias_gelu_back's output [T, I/t] with the grads of the layer's
     input and output [T/r, h]. Flash: dq, dk, dv, the grad of out, FlashAttention-2's fp32 dq accumulator, and
-    the grad of the fused projection the slices' backward fills. Unfused softmax (fp32): the fp32 grad and
-    _softmax_backward_data's fp32 output beside the saved fp32 output, once the 16-bit probabilities are freed;
-    fused kernel: the grad of the probabilities (the kernel's backward writes in place)."""
+    the grad of the fused projection the slices' backward fills. CoreAttention's score-sized grads are not
+    here: they are counted with the tensors alive beside them (StageActivations.backward_layer_peak)."""
     s = resolve(model, job)
-    meg = job.training.megatron
     b, t = s.b, s.tp
     mlp = b * (2 * s.ffn // t + 2 * s.h // s.r)
-    path = attention_path(model, job)
-    if path == "flash":
-        attn = b * (4 * s.q // t + (s.q + 2 * s.kv) // t) + 4 * s.q // t
-    else:
-        elems = s.nh * s.seq_in // t
-        if path == "fused-softmax":
-            per = b
-        elif meg.attention_softmax_in_fp32 and b != 4:
-            per = 8 - b - (1 if meg.attention_dropout > 0 else 0)
-        else:
-            per = 2 * b
-        attn = per * elems + b * (s.q + 2 * s.kv) // t
-        if job.training.checkpointing == "selective":  # the recomputed score tensors are alive again
-            attn += sum(x.bytes_per_token for x in layer_terms(model, job) if x.name in SELECTIVE_DROPPED)
-    return max(mlp, attn)
+    if attention_path(model, job) != "flash":
+        return mlp
+    return max(mlp, b * (4 * s.q // t + (s.q + 2 * s.kv) // t) + 4 * s.q // t)

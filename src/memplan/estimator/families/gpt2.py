@@ -41,7 +41,7 @@ def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
         masked = B.add(ag, scaled, mask, f"{name}.masked")
         ag.release(scaled)
         scaled = masked
-    probs = B.softmax(ag, scaled, g.scores(), f"{name}.softmax")  # no dtype: the input's
+    probs = B.softmax(ag, scaled, g.scores(), f"{name}.softmax", device=net.device)  # no dtype: the input's
     ag.release(scaled)
     dropped = dropout(net, probs, net.m.attention_dropout, f"{name}.dropout")
     ag.release(probs)
