@@ -50,6 +50,23 @@ def test_tiny_llama_zero2_states_by_hand():
     assert st_.grads_resident >= 2 * 26704
 
 
+def test_zero1_without_overlap_reduces_whole_16bit_grads_at_the_boundary():
+    # stage 1, overlap_comm unset (DeepSpeed: False below stage 3), no offload: process_gradients only sets up the
+    # IPG bucket, so at reduce_gradients every 16-bit grad (2 · 106816, the toy's parameters) is alive beside
+    # grads_in_partition and the bucket; with overlap_comm the hooks reduce them during backward instead
+    from memplan.estimator.phases import build_phases
+
+    job = tiny_job(stage=1, world=4)
+    share = rank_share(job)
+    st_ = model_states(job, share, True)  # rank 0's partition, as the phases below
+    phases = dict(build_phases(job, rank0=True))
+    at_reduce = dict((name, nbytes) for name, nbytes, _ in phases["backward, reduce_gradients"])
+    assert at_reduce["gradients"] == 2 * 106816 + st_.grads_resident + st_.grad_bucket
+    overlapped = job.model_copy(update={"training": job.training.model_copy(
+        update={"zero": ZeroSpec(stage=1, overlap_comm=True)})})
+    assert "backward, reduce_gradients" not in dict(build_phases(overlapped, rank0=True))
+
+
 def test_quick_peak_agrees_with_full_estimate():
     job = tiny_job(stage=3, world=8)
     est, q = estimate_job(job), quick_peak(job)

@@ -217,6 +217,9 @@ class Grads:
     bottom: int  # at layer 0's backward
     bucket: int  # the IPG bucket(s) during backward
     whole: bool  # param.grad accumulate whole (no reduce hooks): ZeRO-0, BF16_Optimizer
+    #: at the boundary's reduce_gradients (ZeRO-1 without overlap_comm): every 16-bit grad, the partition it
+    #: fills and the bucket, after the activations are gone (0: no such moment)
+    at_reduce: int = 0
 
 
 def _grads(job: Job, share: RankShare, st: States, last: bool) -> Grads:
@@ -236,6 +239,13 @@ def _grads(job: Job, share: RankShare, st: States, last: bool) -> Grads:
         carried = (("gradients", st.grads_resident, "grads_in_partition across micro-steps"),)
     if whole:
         top, bottom, bucket = b * (share.head + share.per_layer), st.grads_full, 0
+    elif z.stage == 1 and not z.overlap and z.offload_optimizer == "none":
+        # DeepSpeedZeroOptimizer at stage 1 without overlap_comm: process_gradients only sets up the IPG bucket,
+        # so the 16-bit param.grad accumulate whole through backward; engine.backward's reduce_gradients then
+        # copies this rank's partition into grads_in_partition while they are all still alive
+        top, bottom, bucket = b * (share.head + share.per_layer), b * share.params, st.grad_bucket
+        if not carried:
+            return Grads(carried, top, bottom, bucket, whole, b * share.params + st.grads_resident + bucket)
     elif z.stage in (1, 2):
         top, bottom, bucket = 0, st.grads_resident, st.grad_bucket
     else:
@@ -287,6 +297,9 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
              "layer 0 (+ the other in-flight micro-batches)"),
             ("layer_backward_transient", layer_transient, "grads inside the layer's backward")]),
     ]
+    if g.at_reduce:
+        layers.append(("backward, reduce_gradients", fwd + tied + [
+            ("gradients", g.at_reduce, "every 16-bit grad, grads_in_partition and the IPG bucket")]))
     if a.attention_forward:
         layers += [
             ("forward, attention", fwd + [("activations", other_in_flight + a.pipe + a.attention_forward,
