@@ -60,7 +60,7 @@ def test_zero1_without_overlap_reduces_whole_16bit_grads_at_the_boundary():
     share = rank_share(job)
     st_ = model_states(job, share, True)  # rank 0's partition, as the phases below
     phases = dict(build_phases(job, rank0=True))
-    at_reduce = dict((name, nbytes) for name, nbytes, _ in phases["backward, reduce_gradients"])
+    at_reduce = {name: nbytes for name, nbytes, _ in phases["backward, reduce_gradients"]}
     assert at_reduce["gradients"] == 2 * 106816 + st_.grads_resident + st_.grad_bucket
     overlapped = job.model_copy(update={"training": job.training.model_copy(
         update={"zero": ZeroSpec(stage=1, overlap_comm=True)})})
