@@ -67,6 +67,23 @@ def test_zero1_without_overlap_reduces_whole_16bit_grads_at_the_boundary():
     assert "backward, reduce_gradients" not in dict(build_phases(overlapped, rank0=True))
 
 
+def test_zero3_grouped_mm_experts_kept_by_their_saved_views_by_hand():
+    # tiny Mixtral (h 64, I 96, 4 experts, 2 layers): each layer's experts gate_up [4, 192, 64] + down [4, 64, 96]
+    # = 49152 + 24576 = 73728 elements. With a reuse distance of 1 and no prefetch the turn set holds only the
+    # last module (lm_head), so both layers' gathered experts are kept by grouped_mm's saved views: 2 · 73728.
+    # Checkpointed layers save nothing in forward: none kept.
+    from memplan.estimator import model_check
+    from memplan.estimator.phases import zero3_saved_experts
+
+    model = model_from_config(model_check.TINY["mixtral"], "tiny-mixtral", "test")
+    zero = ZeroSpec(stage=3, stage3_max_reuse_distance=1, stage3_prefetch_bucket_size=0,
+                    stage3_max_live_parameters=0, stage3_param_persistence_threshold=0)
+    job = Job(model=model, training=TrainingSpec(seq_len=16, zero=zero), layout=Layout(world=2))
+    assert zero3_saved_experts(job, rank_share(job)) == 2 * 73728
+    ckpt = job.model_copy(update={"training": job.training.model_copy(update={"checkpointing": "full"})})
+    assert zero3_saved_experts(ckpt, rank_share(ckpt)) == 0
+
+
 def test_quick_peak_agrees_with_full_estimate():
     job = tiny_job(stage=3, world=8)
     est, q = estimate_job(job), quick_peak(job)

@@ -92,6 +92,42 @@ def zero3_turn_gathered(job: Job, share: RankShare) -> int:
                           z.stage3_max_live_parameters)
 
 
+#: families whose experts run through transformers 5.17's grouped_mm_experts_forward (integrations/moe.py,
+#: @use_experts_implementation): torch._grouped_mm saves ``weight.transpose(-2, -1)``, a view of the gathered
+#: 3-D parameter, which keeps ZeRO-3's gathered storage alive when the partition swaps param.data back
+#: (the ledger's rule: estimator/autograd.py saved_param_views, zero3_params.py)
+GROUPED_MM_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def zero3_saved_experts(job: Job, share: RankShare) -> int:
+    """Elements of gathered experts that grouped_mm's saved weight views keep beyond the forward→backward turn
+    set (zero3_turn_gathered): every MoE layer's experts on this stage, from its forward to its backward, less
+    those the turn set holds anyway. 0 without grad-mode saving (checkpointed layers save nothing in forward)
+    or outside ZeRO-3."""
+    t, m = job.training, job.model
+    if t.zero.stage != 3 or t.checkpointing != "none" or m.family not in GROUPED_MM_FAMILIES or not m.num_experts:
+        return 0
+    from ..params import parameter_tensors
+
+    tp = job.layout.tp
+    experts: dict[str, int] = {}
+    for x in parameter_tensors(m):
+        if x.layer is not None and x.layer < share.layers and ".experts." in x.name and len(x.shape) == 3:
+            module = x.name.rsplit(".", 1)[0]
+            experts[module] = experts.get(module, 0) + x.numel // max(1, tp)
+    if not experts:
+        return 0
+    z = t.zero
+    modules = list(share.modules[1:] if m.tie_word_embeddings else share.modules)
+    for numel in experts.values():
+        if numel in modules:
+            modules.remove(numel)
+    turn = zero3_turn_gathered(job, share)
+    in_turn = turn - _turn_gathered(tuple(modules), z.stage3_max_reuse_distance, z.stage3_prefetch_bucket_size,
+                                    z.stage3_max_live_parameters)
+    return max(0, sum(experts.values()) - max(0, in_turn))
+
+
 @lru_cache(maxsize=4096)
 def _turn_gathered(modules: tuple[int, ...], reuse: int, prefetch: int, max_live: int) -> int:
     kept = after = 0
@@ -266,6 +302,8 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
     a = _activations(job, share, first, last)
     g = _grads(job, share, st, last)
     base = _base_parts(job, share, st, stepped)
+    saved_experts = [("params_gathered_saved", b * zero3_saved_experts(job, share),
+                      "gathered MoE experts grouped_mm's saved weight views keep until their layer's backward")]
     if last and t.loop == "outputs" and lay.pp == 1:  # the previous micro-step's output, or this one's
         base.append(("logits_loss", head.kept_output_bytes_per_token(m, b, lay.tp) * tokens,
                      "the model output's logits, kept by the outputs loop until the next forward returns"))
@@ -286,7 +324,7 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
          "fp32 grads and optimizer temporaries")])
     other_in_flight = a.layer_saved * (a.in_flight - 1) * share.layers
     layers = [
-        ("backward, last layer", fwd + tied + grads + [
+        ("backward, last layer", fwd + saved_experts + tied + grads + [
             ("gradients", g.top, "gradients so far"),
             ("activations", a.total - a.lsm + a.recompute - (a.layer_saved if a.recompute else 0),
              "all layers (the last one recomputed)" if a.recompute else "all layers"),
@@ -321,13 +359,13 @@ def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first:
         loss_bwd = head.backward_loss_transient_per_token(m, b, lay.tp) * tokens
         head_bwd = head.lm_head_backward_transient_per_token(m, b, lay.tp) * tokens
     return [
-        ("forward, loss", fwd + [
+        ("forward, loss", fwd + saved_experts + [
             ("activations", a.total, f"{share.layers} layers × {a.in_flight} micro-batch(es) + outside layers"),
             ("logits_loss", loss_fwd, "logits and their fp32 upcast")]),
-        ("backward, loss", fwd + [
+        ("backward, loss", fwd + saved_experts + [
             ("activations", a.total, "all layers + outside layers"),
             ("logits_loss", loss_bwd, "nll and log_softmax grads")]),
-        ("backward, lm_head", fwd + tied + grads + [
+        ("backward, lm_head", fwd + saved_experts + tied + grads + [
             ("gradients", g.top, "gradients so far"),
             ("activations", a.total - a.lsm, "all layers + outside layers but the loss"),
             ("logits_loss", head_bwd + lm_head_grad,
