@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
+
+# pydantic scans every installed distribution's entry points for plugins on its first model
+# (pydantic/plugin/_loader.py get_plugins: importlib.metadata.distributions()); the command uses none, and on an
+# environment with torch, deepspeed and transformers installed the scan is a visible part of estimate's start
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 PROG = "memplan"
 
