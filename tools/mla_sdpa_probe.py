@@ -29,7 +29,7 @@ def case(b: int, heads: int, seq: int, dqk: int, dv: int, dtype=torch.bfloat16) 
     torch.cuda.reset_peak_memory_stats()
     out.backward(torch.ones_like(out))
     torch.cuda.synchronize()
-    names = sorted({e.key for e in prof.key_averages() if e.key.lstrip("aten::") in KERNELS or e.key in KERNELS})
+    names = sorted({e.key for e in prof.key_averages() if e.key.removeprefix("aten::") in KERNELS})
     return {"b": b, "heads": heads, "seq": seq, "dqk": dqk, "dv": dv, "kernels": names,
             "forward_kept_bytes": after_fwd - before, "out_bytes": out.numel() * out.element_size(),
             "backward_peak_above_start_bytes": torch.cuda.max_memory_allocated() - after_fwd}
