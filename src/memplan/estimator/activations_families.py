@@ -17,9 +17,10 @@ Where CUDA's kernels differ from the CPU's (``kernel``):
   (attention.cpp convert_boolean_attn_mask), which the kernel saves, in every masked layer. Measured on the
   CPU; on CUDA the memory-efficient kernel saves its attn_bias the same way and pads its logsumexp to a
   multiple of 32 rows (not modelled: < 32·nh·4 bytes per sequence).
-- MLA (d_v != d_qk): CUDA sdpa has no FlashAttention for unequal head widths and runs the memory-efficient
-  kernel (q, k, v, out, logsumexp, as flash); the CPU runs the math fallback in fp32 (q·√s, k·√s, softmax,
-  v, all fp32) and the output projection gets its own copy.
+- MLA (d_v != d_qk): CUDA sdpa has no FlashAttention for unequal head widths; on the H200 (torch 2.11) it runs
+  cuDNN attention for d_qk 192 / d_v 128 (benchmarks/attention/mla-sdpa-probe-h200.jsonl, tools/mla_sdpa_probe.py),
+  which saves q, k, v, out and logsumexp, as flash and the memory-efficient kernel do; the CPU runs the math
+  fallback in fp32 (q·√s, k·√s, softmax, v, all fp32) and the output projection gets its own copy.
 - eager: the same aten ops on both.
 - dropout: CUDA's native_dropout keeps a bool mask, the CPU's one in the input dtype.
 """
