@@ -186,3 +186,16 @@ def test_trl_peft_bad_values_exit_2(capsys, extra, field):
     rc = main(["check", "--ds-config", ZERO2, "--model", "llama-3.2-1b", "--launch", TRL.format(cfg=ZERO2, extra=extra)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"memplan: error: {field}"), err
+
+
+def test_trl_default_dropout_on_moe_all_linear_is_pefts_error(capsys):
+    """TRL's ModelConfig defaults lora_dropout to 0.05; on a fused-expert MoE peft adapts the experts through
+    lora.ParamWrapper for all-linear, which refuses it (peftconfig.check_adapter_options)."""
+    extra = "--use_peft --lora_target_modules all-linear"
+    rc, out = _check(capsys, "--ds-config", ZERO2, "--model", "tinymixtral", "--seq", "1024",
+                     "--launch", TRL.format(cfg=ZERO2, extra=extra))
+    assert rc == 1
+    assert "ParamWrapper" in _by(out, "error")["--lora_dropout"]["message"]
+    rc, out = _check(capsys, "--ds-config", ZERO2, "--model", "tinymixtral", "--seq", "1024",
+                     "--launch", TRL.format(cfg=ZERO2, extra=extra + " --lora_dropout 0"))
+    assert rc == 0, out["findings"]

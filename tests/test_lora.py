@@ -373,3 +373,30 @@ def test_plan_searches_with_the_adapter_fixed(capsys):
     assert cli_main(["estimate", *common, *flags, "--json"]) == 0
     full = _json.loads(capsys.readouterr().out)
     assert row["peak_allocated_bytes"] == with_adapter["peak_allocated_bytes"] < full["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(("targets", "refused"), [(("all-linear",), True), (("q_proj", "v_proj"), False)])
+def test_moe_dropout_refusal_is_pefts(family, targets, refused):
+    """peft turns all-linear on a fused-expert MoE into lora.ParamWrapper targets (the router's weight, the experts),
+    and ParamWrapper refuses lora_dropout != 0: memplan refuses what the installed peft refuses, and only that."""
+    from memplan.estimator import model_check
+    from memplan.hfconfig import model_from_config as from_config
+    from memplan.peftconfig import check_adapter_options
+
+    cfg = dict(model_check.TINY[family])
+    m = from_config(cfg, family, "test")
+    lora = LoraSpec(rank=4, targets=targets, dropout=0.05)
+    try:
+        check_adapter_options(m.family, targets, lora.dropout)
+        ours = False
+    except ValueError:
+        ours = True
+    assert ours == refused
+    pytest.importorskip("peft")
+    try:
+        _peft_model(cfg, lora)
+        theirs = False
+    except ValueError as err:
+        theirs = "ParamWrapper" in str(err)
+    assert theirs == ours

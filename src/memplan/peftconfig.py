@@ -90,6 +90,42 @@ def lora_fields(raw: Any, flag: str) -> dict[str, Any]:
             "use_dora": raw.get("use_dora", False)}
 
 
+#: model types whose experts transformers 5.17 fuses into 3-D parameters and whose LoRA targets peft rewrites into
+#: ``target_parameters`` (peft/utils/transformers_weight_conversion.py _convert_peft_config_moe, keyed through
+#: transformers' conversion_mapping._MODEL_TO_CONVERSION_PATTERN: mixtral → "mixtral"; qwen3_moe and deepseek_v3 →
+#: "qwen2_moe"): the transformers-4 names of the router and of the experts' projections it maps
+#: (_MOE_TARGET_MODULE_MAPPING); "all-linear" maps all of them
+MOE_PARAMETER_TARGETS = {"mixtral": ("gate", "w1", "w3", "w2"),
+                         "qwen3_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
+                         "deepseek_v3": ("gate", "gate_proj", "up_proj", "down_proj")}
+
+
+def parameter_wrapper_targets(family: str, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets peft adapts through lora.ParamWrapper on this family (the router's weight, the fused experts)."""
+    names = MOE_PARAMETER_TARGETS.get(family, ())
+    if ALL_LINEAR in targets:
+        return names
+    return tuple(t for t in targets if t in names or any(t.endswith("." + n) for n in names))
+
+
+def check_adapter_options(family: str, targets: tuple[str, ...], dropout: float) -> None:
+    """ValueError for adapter settings peft refuses at get_peft_model: lora.ParamWrapper.__init__ raises
+    "lora.ParamWrapper does not work with lora_dropout != 0" (peft/tuners/lora/layer.py), and on the MoE families
+    above "all-linear" or an expert projection's name reaches it (measured: benchmarks/accuracy/
+    rows-sampled-seed3-h200-1.jsonl s3-011, tinymixtral all-linear with dropout 0.05)."""
+    wrapped = parameter_wrapper_targets(family, targets)
+    if dropout > 0 and wrapped:
+        v5 = sorted({_V5_NAMES.get(t.rsplit(".", 1)[-1], t) for t in wrapped})
+        raise ValueError(f"peft adapts {family}'s {', '.join(v5)} through lora.ParamWrapper, which refuses "
+                         f"lora_dropout != 0 (got {dropout:g}); use 0, or target the attention projections only")
+
+
+#: the transformers-5 parameter each mapped name becomes (_MOE_TARGET_MODULE_MAPPING's values)
+_V5_NAMES = {"gate": "mlp.gate.weight", "w1": "experts.gate_up_proj", "w3": "experts.gate_up_proj",
+             "gate_proj": "experts.gate_up_proj", "up_proj": "experts.gate_up_proj", "w2": "experts.down_proj",
+             "down_proj": "experts.down_proj"}
+
+
 def module_matches(module: str, target: str) -> bool:
     """peft's check_target_module_exists for a plain name: equal, or the module's name ends with '.target'."""
     return module == target or module.endswith("." + target)

@@ -74,7 +74,7 @@ def _peft_findings(lora: dict | None, model: ModelSpec | None) -> list[Finding]:
     """What peft refuses in TRL's adapter flags (``lora``: launch_job.trl_lora's reading): a target module the
     model does not have (LoraModel _create_and_replace raises "Target modules ... not found in the base model")."""
     from ..params import linear_modules
-    from ..peftconfig import resolve_targets
+    from ..peftconfig import check_adapter_options, resolve_targets
 
     if lora is None or model is None:
         return []
@@ -83,6 +83,10 @@ def _peft_findings(lora: dict | None, model: ModelSpec | None) -> list[Finding]:
     except ValueError as err:
         return [error("--lora_target_modules", f"peft refuses it: {err}",
                       "name linear modules of the model, or all-linear, or leave the flag out for peft's default")]
+    try:
+        check_adapter_options(model.family, tuple(lora["targets"]), float(lora.get("dropout", 0.0)))
+    except ValueError as err:
+        return [error("--lora_dropout", f"peft refuses it: {err}", "pass --lora_dropout 0")]
     return []
 
 
