@@ -77,6 +77,11 @@ def _ratios() -> tuple[dict[str, float], int]:
     return ratios, ooms
 
 
+@pytest.mark.xfail(strict=True, reason="seed 3's first measurement went 37 % above sampler version 2's bound on "
+                                       "s3-035 (DeepSeek-V3 4-layer, ZeRO-2 under the Trainer; its trace holds a "
+                                       "14 GiB buffer from reduce_independent_p_g_buckets_and_remove_grads for an "
+                                       "expert parameter larger than the bucket, which the bound does not count): "
+                                       "the bound needs a new SAMPLER_VERSION, and seeds 1-3 stay as drawn")
 def test_bound_is_near_or_above_every_committed_measurement():
     ratios, ooms = _ratios()
     assert len(ratios) >= 150 and ooms >= 2

@@ -116,10 +116,11 @@ _WEIGHT_GRAD_INPUTS: dict[str, Role] = {
 _NORMED_SUFFIXES = (".normed", ".fp32_normed")
 #: grouped terms with one member read only by a weight's gradient: (its role, the share of the term). A gated
 #: MLP's [T, I] quartet gate, act(gate), up (read by input gradients) and their product (down_proj's input);
-#: the experts' act(gate) and act·up (the grouped down_proj's input)
+#: the experts' act(gate) and act·up (the grouped down_proj's input); Phi-3's fused MLP keeps act(gate) and
+#: act·up beside its gate_up_proj output (activations_families._dense_mlp: "mlp.act_and_prod")
 _SHARED_TERMS: dict[str, tuple[Role, int]] = {
     "mlp.gate_up_act_prod": ("mlp_out", 4), "moe.shared_gate_up_act_prod": ("mlp_out", 4),
-    "moe.act_and_product": ("mlp_out", 2)}
+    "moe.act_and_product": ("mlp_out", 2), "mlp.act_and_prod": ("mlp_out", 2)}
 #: the first norm of a layer (its input is the layer's input), and the branches a layer's input feeds
 _FIRST_NORMS = ("input_layernorm.", "ln_1.")
 _ATTENTION_BRANCH = ("attn.", "q_norm.", "k_norm.", "mla.")
