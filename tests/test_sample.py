@@ -169,7 +169,11 @@ def _quotas(lines, fams):
     assert {int(_flags(x)["--lora-rank"]) for x in lora} == {8, 16, 32, 64}
     assert any(x["meta"]["loop"] == "hf-trainer" for x in lora)
     families = Counter(x["meta"]["family"] for x in lines)
-    assert all(families[f] >= 4 for f in fams), families
+    # a slot whose draws kept failing is relaxed (sample.py: the summary's "relaxed"), which can drop its reserved
+    # family: each relaxed slot may cost one family one line of its four (seed 93743: a DeepSeek-V3 slot, twice)
+    relaxed = sum(1 for x in lines if x["meta"].get("relaxed"))
+    assert all(families[f] >= 4 - relaxed for f in fams), (families, relaxed)
+    assert sum(max(0, 4 - families[f]) for f in fams) <= relaxed, (families, relaxed)
     # the regimes issue 13 names, on purpose
     by_preset = {p.name: p for p in sample_space.catalog()}
     f = [(_flags(x), x) for x in lines]

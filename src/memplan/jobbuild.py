@@ -118,7 +118,7 @@ def resolved_lora(model, lora: dict[str, Any], source: dict[str, str], origin: d
     """LoRA targets resolved for the model: peft's family default for "default"; a target the model lacks is
     refused as peft refuses it."""
     from .params import linear_modules
-    from .peftconfig import DEFAULT, DEFAULT_TARGETS, check_adapter_options, resolve_targets
+    from .peftconfig import DEFAULT, DEFAULT_TARGETS, resolve_targets
 
     flag = {"file": "--peft-config target_modules",
             "launch": f"{origin.get('lora', '--launch').split()[0]} --lora_target_modules"}.get(source.get("lora"),
@@ -127,12 +127,6 @@ def resolved_lora(model, lora: dict[str, Any], source: dict[str, str], origin: d
         resolve_targets(model.family, tuple(lora["targets"]), linear_modules(model))
     except ValueError as err:
         raise InputError(flag, str(err)) from None
-    try:
-        check_adapter_options(model.family, tuple(lora["targets"]), float(lora.get("dropout", 0.0)))
-    except ValueError as err:
-        dropout_flag = {"file": "--peft-config lora_dropout", "launch": "--lora_dropout"}.get(source.get("lora"),
-                                                                                           "--lora-dropout")
-        raise InputError(dropout_flag, str(err)) from None
     if tuple(lora["targets"]) == (DEFAULT,):
         lora = {**lora, "targets": DEFAULT_TARGETS[model.family]}
     return lora

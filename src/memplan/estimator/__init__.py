@@ -179,6 +179,16 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     if t.dtype == "fp16":
         notes.append("fp16: the loss scaler may skip the first steps; until one succeeds no optimizer state exists "
                      "(the estimate is the steady state)")
+    if t.lora is not None:
+        from ..peftconfig import check_adapter_options, parameter_wrapper_targets
+
+        try:
+            check_adapter_options(job.model.family, t.lora.targets, t.lora.dropout)
+        except ValueError as err:
+            notes.append(f"this adapter does not start: {err} (memplan check reports it as an error)")
+        if parameter_wrapper_targets(job.model.family, t.lora.targets):
+            notes.append("peft adapts the router and the fused experts through lora.ParamWrapper here: their "
+                         "adapters and the parametrised expert weights are not modelled yet (the figure is low)")
     return tuple(notes)
 
 
