@@ -73,7 +73,7 @@ def test_zero3_grouped_mm_experts_kept_by_their_saved_views_by_hand():
     # last module (lm_head), so both layers' gathered experts are kept by grouped_mm's saved views: 2 · 73728.
     # Checkpointed layers save nothing in forward: none kept.
     from memplan.estimator import model_check
-    from memplan.estimator.phases import zero3_saved_experts
+    from memplan.estimator.zero3_working_set import zero3_saved_experts
 
     model = model_from_config(model_check.TINY["mixtral"], "tiny-mixtral", "test")
     zero = ZeroSpec(stage=3, stage3_max_reuse_distance=1, stage3_prefetch_bucket_size=0,

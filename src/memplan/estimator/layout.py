@@ -40,6 +40,8 @@ class RankShare:
     zero2_largest_piece_rank0: int
     frozen: int = 0  # frozen parameters on this rank (16-bit model parameters outside the optimizer)
     zero3_frozen_partition: int = 0  # Σ ceil(numel / N) over the frozen ones (zero.Init partitions them too)
+    #: indices into ``modules`` of the fused MoE experts (a module holding 3-D parameters: gate_up_proj, down_proj)
+    expert_modules: tuple[int, ...] = ()
 
 
 def _sharded(t: ParamTensor) -> bool:
@@ -74,6 +76,7 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int, last: bool 
     numels = []
     frozen: list[int] = []
     module_numels: dict[str, int] = {}
+    expert_names: set[str] = set()
     trained_modules: dict[str, int] = {}  # a layer's trainable modules (lora_A / lora_B count as their own)
     per_layer = head = embedding = 0
     tied_trains = False
@@ -85,6 +88,8 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int, last: bool 
         if numel > persist:  # ZeRO-3 gathers frozen parameters too
             module = t.name.rsplit(".", 1)[0]
             module_numels[module] = module_numels.get(module, 0) + numel
+            if len(t.shape) == 3:
+                expert_names.add(module)
         if t.layer is None and t.name.endswith(_EMBEDDINGS[:5]):
             embedding += numel
             tied_trains = tied_trains or (trains and t.role == "embedding")
@@ -112,6 +117,7 @@ def _share(model: ModelSpec, tp: int, pp: int, n: int, persist: int, last: bool 
         modules=tuple(modules), zero2_grad_buffer=max(buffers), zero2_grad_buffer_rank0=buffers[0],
         zero2_largest_piece=pieces[buffers.index(max(buffers))], zero2_largest_piece_rank0=pieces[0],
         frozen=sum(frozen), zero3_frozen_partition=sum(-(-x // n) for x in frozen),
+        expert_modules=tuple(i for i, name in enumerate(module_numels) if name in expert_names),
     )
 
 

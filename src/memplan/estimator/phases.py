@@ -10,7 +10,6 @@ activations.py and head.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from ..specs import Job
 from ..units import MiB, dtype_bytes
@@ -19,6 +18,7 @@ from . import head
 from .layout import RankShare, rank_share
 from .lora import saved_deltas
 from .states import States, bf16_optimizer, stage0, stage3, stage12
+from .zero3_working_set import zero3_saved_experts, zero3_turn_gathered
 
 Part = tuple  # (name, bytes, detail)
 
@@ -74,74 +74,6 @@ def _trained_states(job: Job, share: RankShare, rank0: bool) -> States:
                        t.grad_accum, t.optimizer, z.offload_optimizer)
     return stage3(share.zero3_partition, b * share.zero3_persistent, b, g, c, z.reduce_bucket_size,
                   t.optimizer, z.offload_optimizer, z.offload_param, z.sub_group_size)
-
-
-def zero3_turn_gathered(job: Job, share: RankShare) -> int:
-    """ZeRO-3 parameters gathered at the forward→backward turn, in elements.
-
-    PartitionedParameterCoordinator.__params_to_release (runtime/zero/partitioned_param_coordinator.py)
-    keeps a module's params when, walking the trace onward, they reappear before stage3_max_reuse_distance
-    elements have gone by: measured, a module is kept when the modules after it in forward hold fewer than
-    that many elements. The prefetch may then add modules up to min(stage3_prefetch_bucket_size,
-    stage3_max_live_parameters − available), overshooting by the last module it takes.
-    """
-    z = job.training.zero
-    # a tied word embedding is the first module and lm_head the last: one parameter, gathered once
-    modules = share.modules[1:] if job.model.tie_word_embeddings else share.modules
-    return _turn_gathered(modules, z.stage3_max_reuse_distance, z.stage3_prefetch_bucket_size,
-                          z.stage3_max_live_parameters)
-
-
-#: families whose experts run through transformers 5.17's grouped_mm_experts_forward (integrations/moe.py,
-#: @use_experts_implementation): torch._grouped_mm saves ``weight.transpose(-2, -1)``, a view of the gathered
-#: 3-D parameter, which keeps ZeRO-3's gathered storage alive when the partition swaps param.data back
-#: (the ledger's rule: estimator/autograd.py saved_param_views, zero3_params.py)
-GROUPED_MM_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
-
-
-def zero3_saved_experts(job: Job, share: RankShare) -> int:
-    """Elements of gathered experts that grouped_mm's saved weight views keep beyond the forward→backward turn
-    set (zero3_turn_gathered): every MoE layer's experts on this stage, from its forward to its backward, less
-    those the turn set holds anyway. 0 without grad-mode saving (checkpointed layers save nothing in forward)
-    or outside ZeRO-3."""
-    t, m = job.training, job.model
-    if t.zero.stage != 3 or t.checkpointing != "none" or m.family not in GROUPED_MM_FAMILIES or not m.num_experts:
-        return 0
-    from ..params import parameter_tensors
-
-    tp = job.layout.tp
-    experts: dict[str, int] = {}
-    for x in parameter_tensors(m):
-        if x.layer is not None and x.layer < share.layers and ".experts." in x.name and len(x.shape) == 3:
-            module = x.name.rsplit(".", 1)[0]
-            experts[module] = experts.get(module, 0) + x.numel // max(1, tp)
-    if not experts:
-        return 0
-    z = t.zero
-    modules = list(share.modules[1:] if m.tie_word_embeddings else share.modules)
-    for numel in experts.values():
-        if numel in modules:
-            modules.remove(numel)
-    turn = zero3_turn_gathered(job, share)
-    in_turn = turn - _turn_gathered(tuple(modules), z.stage3_max_reuse_distance, z.stage3_prefetch_bucket_size,
-                                    z.stage3_max_live_parameters)
-    return max(0, sum(experts.values()) - max(0, in_turn))
-
-
-@lru_cache(maxsize=4096)
-def _turn_gathered(modules: tuple[int, ...], reuse: int, prefetch: int, max_live: int) -> int:
-    kept = after = 0
-    i = len(modules)
-    while i and after < reuse:  # modules from the end while fewer than `reuse` elements follow them
-        i -= 1
-        kept += modules[i]
-        after += modules[i]
-    budget = min(prefetch, max_live - kept)
-    fetched = 0
-    while i and fetched < budget:  # the prefetch walks on into the modules not kept
-        i -= 1
-        fetched += modules[i]
-    return kept + fetched
 
 
 def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tuple[str, list[Part]]]:
