@@ -105,7 +105,7 @@ def parameter_wrapper_targets(family: str, targets: tuple[str, ...]) -> tuple[st
     names = MOE_PARAMETER_TARGETS.get(family, ())
     if ALL_LINEAR in targets:
         return names
-    return tuple(t for t in targets if t in names or any(t.endswith("." + n) for n in names))
+    return tuple(t for t in targets if any(module_matches(t, n) for n in names))
 
 
 def check_adapter_options(family: str, targets: tuple[str, ...], dropout: float) -> None:

@@ -263,7 +263,7 @@ def run(case: MegatronCase, device: str, trace: str | None = None) -> dict[str, 
     phases marked as verify marks them)."""
     import torch
 
-    from .phases import TRACE_MAX_ENTRIES, memplan_phase_marker
+    from .phases import memplan_phase_marker, start_allocation_trace, write_allocation_trace
 
     meter = Meter(device)
     phases: list[dict[str, Any]] = []
@@ -291,7 +291,7 @@ def run(case: MegatronCase, device: str, trace: str | None = None) -> dict[str, 
         torch.ones(case.seq, case.seq, dtype=torch.bool, device=device), diagonal=1).view(1, 1, case.seq, case.seq)
     probe = None
     if trace:
-        torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, stacks="python")
+        start_allocation_trace(torch)
     for i in range(case.micro_steps):
         if i == 0:
             probe = LayerProbe(model, meter)
@@ -302,15 +302,7 @@ def run(case: MegatronCase, device: str, trace: str | None = None) -> dict[str, 
             loss = phase(f"micro{i}.forward", lambda: model(ids, positions, mask, labels=ids))
         phase(f"micro{i}.backward", lambda loss=loss: loss.mean().backward())
         del loss
-    extra: dict[str, Any] = {}
-    if trace:
-        from ..allocator.trace import compact_trace, write_trace
-
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        write_trace(trace, compact_trace(snapshot, max_entries=TRACE_MAX_ENTRIES), {"phases": labels,
-                                                                                     "alloc_conf": ""})
-        extra["trace_file"] = trace
+    extra = write_allocation_trace(torch, trace, labels) if trace else {}
     peaks = [p["peak_allocated_bytes"] for p in phases if p["peak_allocated_bytes"] is not None]
     return {"phases": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
             "layer_forward_delta_bytes": probe.deltas, "saved_bytes": probe.saved_bytes(), "vocab_padded": vocab,

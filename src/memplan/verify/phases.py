@@ -71,6 +71,28 @@ def memplan_phase_marker(torch, device: str) -> None:
     del marker
 
 
+def start_allocation_trace(torch) -> None:
+    """Record the caching allocator's history (with Python stacks: the trace converter names frames by them)."""
+    torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, stacks="python")
+
+
+def write_allocation_trace(torch, path: str, labels: list[str]) -> dict[str, Any]:
+    """Stop recording and write what was recorded to ``path`` as a compact trace (memplan.allocator.trace) with
+    the phase labels; the row's field for it: ``trace_file``, or ``trace_error`` (a trace is a side product)."""
+    import os
+
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    try:
+        from ..allocator.trace import compact_trace, write_trace
+
+        write_trace(path, compact_trace(snapshot, max_entries=TRACE_MAX_ENTRIES), {
+            "phases": labels, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")})
+        return {"trace_file": path}
+    except Exception as exc:  # noqa: BLE001 - a trace is a side product; the row says why it is missing
+        return {"trace_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
 class Recorder:
     """The list of phases with their peaks, plus the timeline of labelled memory_allocated readings.
 
@@ -89,7 +111,7 @@ class Recorder:
 
     def start_trace(self) -> None:
         if self.trace:
-            self.meter._torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, stacks="python")
+            start_allocation_trace(self.meter._torch)
 
     def begin(self, name: str) -> None:
         if self.trace:
@@ -129,19 +151,8 @@ class Recorder:
         if self.trace:
             import os
 
-            torch = self.meter._torch
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            try:
-                from ..allocator.trace import compact_trace, write_trace
-
-                path = os.path.join(out_dir, f"trace-rank{rank}.json.gz")
-                write_trace(path, compact_trace(snapshot, max_entries=TRACE_MAX_ENTRIES), {
-                    "phases": self.labels, "alloc_conf": os.environ.get(
-                    "PYTORCH_CUDA_ALLOC_CONF", "")})
-                out["trace_file"] = path
-            except Exception as exc:  # noqa: BLE001 - a trace is a side product; the row says why it is missing
-                out["trace_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            out.update(write_allocation_trace(self.meter._torch, os.path.join(out_dir, f"trace-rank{rank}.json.gz"),
+                                              self.labels))
         return out
 
     def summary(self) -> dict[str, Any]:
