@@ -42,13 +42,14 @@ def plan_space(req: PlanRequest):
     from .hardware import DEFAULT_GPU, resolve_hardware
     from .space import PlanSpace, default_global_batch, default_target_bytes
 
-    gpu_name = req.budget.gpu or (ARTICLE_GPU if is_article(req.job.model) else DEFAULT_GPU)
+    given = req.budget.gpu is not None  # an empty --gpu= is a value to refuse, not a flag left out
+    gpu_name = req.budget.gpu if given else (ARTICLE_GPU if is_article(req.job.model) else DEFAULT_GPU)
     hw, note = resolve_hardware(gpu_name)
     notes = [note] if note else []
     from ..gpus import resolve_gpu
 
     model, facts, sources = resolve_facts(req.job, resolve_gpu(gpu_name))
-    gpu_source = "flag" if req.budget.gpu else ("article" if is_article(req.job.model) else "memplan")
+    gpu_source = "flag" if given else ("article" if is_article(req.job.model) else "memplan")
     sources += (Source(field="gpu", value=hw.name, source=gpu_source,
                        origin={"flag": "--gpu", "article": ARTICLE}.get(gpu_source, "memplan's default GPU")),)
     if req.job.model_impl == "megatron" or facts["model_impl"] == "megatron":
