@@ -146,3 +146,21 @@ def test_third_step_repeats_the_second(stage, ckpt, loop, micro, ga, seq, layers
     # blocks the cache hands out unsplit (each carries < 1 MiB of slack: should_split, kSmallSize)
     assert two.peak_reserved_bytes == three.peak_reserved_bytes
     assert abs(two.peak_allocated_bytes - three.peak_allocated_bytes) <= 0.001 * three.peak_allocated_bytes
+
+
+def test_sliding_window_sdpa_is_modelled_where_cudnn_takes_the_mask():
+    """A sliding window's mask goes to cuDNN for 16-bit head_dim <= 128 (the ledger models it); where cuDNN
+    refuses (head_dim 256: the memory-efficient kernel, fp32: not cuDNN) the job stays on the phase lists."""
+    base = load_model("mistral-7b")
+    assert base.sliding_window is not None
+
+    def job(dtype="bf16", head_dim=None):
+        model = base if head_dim is None else base.model_copy(update={"head_dim": head_dim})
+        training = TrainingSpec(seq_len=8192, dtype=dtype, attention="sdpa", optimizer="adamw",
+                                zero=ZeroSpec(stage=2))
+        return Job(model=model, training=training, layout=Layout(world=8, gpus_per_node=8))
+
+    assert ledger_supported(job())
+    assert ledger_supported(job("fp16"))
+    assert not ledger_supported(job(head_dim=256))
+    assert not ledger_supported(job("fp32"))

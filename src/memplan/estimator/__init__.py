@@ -43,14 +43,22 @@ def ledger_supported(job: Job) -> bool:
 def _attention_modelled(m, attention: str) -> bool:
     """Attention the ledger models: transformers' eager path in every ported family (its ops are the same on
     every device; event for event against the CPU trace, tests/test_ledger_trace.py) and sdpa where the one
-    dispatch rule (blocks_attention.dispatch) picks cuDNN or flash without a mask (the kernels' outputs and
-    workspaces as torch's source and the H200 traces give them, tests/test_attention_kernels.py). Not yet: the
-    masked kernels (sliding windows) and the math fallback on CUDA, which no CUDA trace has checked."""
+    dispatch rule (blocks_attention.dispatch) picks cuDNN, or flash without a mask (the kernels' outputs and
+    workspaces as torch's source and the H200 traces give them, tests/test_attention_kernels.py). A sliding
+    window's mask goes to cuDNN where cuDNN takes the call: the H200 trace of a Mistral job
+    (trace-s1-049-mistral-7b-*) shows the converted mask saved, the philox seed and offset, cuDNN's backward
+    workspace, with k and v repeat_kv'd. Not yet: the memory-efficient kernel given a mask (head_dim > 128,
+    fp32) and the math fallback on CUDA, which no CUDA trace has checked."""
     from .activations import sdpa_backend
+    from .blocks_attention import Geometry, dispatch
 
     if attention == "eager":
         return True
-    return sdpa_backend(m, 2, attention) in ("cudnn", "flash")
+    backend = sdpa_backend(m, 2, attention)
+    if backend == "masked":
+        g = Geometry(1, 2, m.num_heads, m.num_kv_heads, m.head_dim, 2)
+        return dispatch("cuda", attention, None, g, True, m.attention_dropout)[0] == "cudnn"
+    return backend in ("cudnn", "flash")
 
 
 def _unmodelled_fp32_accumulation(job: Job) -> bool:

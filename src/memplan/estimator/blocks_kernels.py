@@ -161,17 +161,20 @@ def efficient_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
 
 
 #: the cuDNN 9.19 SDPA graphs' workspaces on the H200 (mha_graph->get_workspace_size(), decided by cuDNN's
-#: execution plan, not by torch): the forward's is 256 bytes whatever the shape; the backward's is two fp32
-#: [B, nh, S, d] buffers, one fp32 [B, nh, S] row and 256 bytes. Read off the committed H200 traces
-#: (benchmarks/accuracy/traces/trace-llama1b-*: S 1k-4k, batch 1 and 4, 32 heads of 64); head_dim 128 is not
-#: measured yet (tools/sdpa_kernel_probe.py on the GPU)
+#: execution plan, not by torch): the forward's is 256 bytes whatever the shape; the backward's is an fp32
+#: [B, nh, S, max(d, CUDNN_BWD_WORKSPACE_MIN_DIM)] buffer, one fp32 [B, nh, S] row and 256 bytes. Read off the
+#: H200 traces: head_dim 64 (benchmarks/accuracy/traces/trace-llama1b-*: S 1k-4k, batch 1 and 4, 32 heads) and
+#: 128 (trace-s1-049-mistral-7b-*: 32 heads, S 16k, a sliding-window mask) both give 128 floats per row, and
+#: tools/mla_sdpa_probe.py's backward peaks (benchmarks/attention/mla-sdpa-probe-h200.jsonl) give 128 at
+#: d = 128 and 192 at DeepSeek's q/k width 192
 CUDNN_FWD_WORKSPACE_BYTES = CUDNN_BWD_WORKSPACE_EXTRA_BYTES = 256
+CUDNN_BWD_WORKSPACE_MIN_DIM = 128
 
 
 def cudnn_bwd_workspace_bytes(g: Geometry) -> int:
     """The backward cuDNN graph's workspace (see CUDNN_FWD_WORKSPACE_BYTES)."""
     rows = FP32 * g.batch * g.heads * g.seq
-    return 2 * rows * g.head_dim + rows + CUDNN_BWD_WORKSPACE_EXTRA_BYTES
+    return rows * max(g.head_dim, CUDNN_BWD_WORKSPACE_MIN_DIM) + rows + CUDNN_BWD_WORKSPACE_EXTRA_BYTES
 
 
 def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Geometry, *, dropout: float,
