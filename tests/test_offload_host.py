@@ -88,3 +88,14 @@ def test_host_figure_is_per_node():
     gpu = build_ledger(job, 2, host=host)
     assert not any(n.startswith("zero3.grad_partitions_flat_buffer") for n in gpu.names)
     assert any(n.startswith("zero3.grad_partitions_flat_buffer") for n in host.names)
+
+
+def test_offloaded_zero2_with_fp32_accumulation_keeps_an_fp32_partition_on_the_gpu():
+    """DeepSpeed 0.19.8 _build_compact_grad_partition_buffer: 16-bit training with grad_accum_dtype fp32 adds
+    the reduced grads into an fp32 partition on the GPU even with the optimizer offloaded (worked by hand:
+    1000 parameters over 4 ranks, padded to 2·4 → 250 a rank, 4 bytes each)."""
+    from memplan.estimator.states import stage12
+
+    args = (2, 1000, 4, 2, 2, 100, False, 10, 0, 10, 1, "cpu_adam", "cpu")
+    assert stage12(*args).grads_resident == 0
+    assert stage12(*args, compact_fp32=True).grads_resident == 4 * 250

@@ -71,7 +71,8 @@ def _trained_states(job: Job, share: RankShare, rank0: bool) -> States:
         buffer = share.zero2_grad_buffer_rank0 if rank0 else share.zero2_grad_buffer
         return stage12(z.stage, share.params, n, b, c, z.reduce_bucket_size, z.overlap, share.largest,
                        buffer, share.zero2_largest_piece_rank0 if rank0 else share.zero2_largest_piece,
-                       t.grad_accum, t.optimizer, z.offload_optimizer)
+                       t.grad_accum, t.optimizer, z.offload_optimizer,
+                       compact_fp32=t.grad_accum_dtype == "fp32" and t.dtype != "fp32")
     return stage3(share.zero3_partition, b * share.zero3_persistent, b, g, c, z.reduce_bucket_size,
                   t.optimizer, z.offload_optimizer, z.offload_param, z.sub_group_size)
 

@@ -72,7 +72,8 @@ def stage0(p: int, b: int, optimizer: str) -> States:
 
 
 def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bool, largest: int,
-            grad_buffer: int, grad_piece: int, grad_accum: int, optimizer: str, offload: str) -> States:
+            grad_buffer: int, grad_piece: int, grad_accum: int, optimizer: str, offload: str,
+            compact_fp32: bool = False) -> States:
     """ZeRO-1/2: runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.
 
     - bit16_groups_flat: b·P padded to 2N elements; the fp32 partition 4·P/N (a clone, also when training
@@ -86,7 +87,10 @@ def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bo
       (get_grad_norm_direct: g.to(get_norm_dtype())), 8 bytes × the largest piece; then the partition is
       flattened (b·P/N) and cast to fp32 (4·P/N) while the 16-bit grads still live. The larger of the two.
     - offload_optimizer: master, fp32 grads and optimizer states on the host; a b·L GPU staging buffer
-      (temp_grad_buffer_for_gpu_offload) and the bucket stay.
+      (temp_grad_buffer_for_gpu_offload) and the bucket stay. With fp32 gradient accumulation of 16-bit
+      training (``compact_fp32``: _use_compact_grad_partition_buffer) the reduced grads are added into an fp32
+      partition on the GPU (_build_compact_grad_partition_buffer: zeros of 4·P/N, built at the first reduction,
+      alive into the step), which copy_grads_in_partition copies to the host at the boundary.
     """
     opt = OPTIMIZERS[optimizer]
     p_pad = round_up(p, NCCL_START_ALIGNMENT_FACTOR * n)
@@ -104,7 +108,8 @@ def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bo
     # temp_grad_buffer_for_cpu_offload (the largest parameter); the host optimizer's states are pageable
     nvme = master + states if offload == "nvme" else 0
     host = _pinned(4 * part) + _pinned(b * part) + _pinned(b * largest) + (0 if nvme else states + _pinned(master))
-    return States(b * p_pad, 0, 0, 0, 0, full_grads, buckets, 0, 0, b * largest, host, nvme)
+    compact = 4 * part if compact_fp32 else 0
+    return States(b * p_pad, 0, 0, 0, compact, full_grads, buckets, 0, 0, b * largest, host, nvme)
 
 
 #: DeepSpeedZeroOffloadOptimizerConfig.buffer_count (runtime/zero/offload_config.py): the NVMe optimizer swapper's
