@@ -9,7 +9,7 @@ matrix=$1; deadline=$2; mega=${3:-}
 t0=$(date +%s)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ds_ops
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-megatron/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl-megatron/*.whl 2>/dev/null) 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD/src
 mkdir -p /tmp/ds_ops /tmp/memplan-traces
 [ -f .ds_ops.tgz ] && tar xzf .ds_ops.tgz -C /tmp/ds_ops
