@@ -205,3 +205,21 @@ def test_megatron_sequence_parallel_splits_the_rest_of_the_layer():
     assert megatron < autotp < whole
     est = estimate_job(job.model_copy(update={"layout": Layout(world=4, tp=2, tp_sequence_parallel=True)}))
     assert any("modelled" in n and "sequence parallelism" in n for n in est.notes)
+
+
+def test_fp16_optimizer_states_exist_before_any_step():
+    """FP16_Optimizer (ZeRO-0, fp16) runs one optimizer step at init (initialize_optimizer_states): a job whose
+    fp16 steps all overflowed still holds its states in every phase; ZeRO-2's DeepSpeedZeroOptimizer creates
+    them lazily, at the first step that runs."""
+    from memplan.estimator.phases import build_phases
+    from memplan.presets import load_model
+    from memplan.specs import Job, Layout, TrainingSpec, ZeroSpec
+
+    def states(stage, pp):
+        t = TrainingSpec(seq_len=1024, dtype="fp16", attention="sdpa", optimizer="adamw", grad_accum=2,
+                         zero=ZeroSpec(stage=stage))
+        job = Job(model=load_model("qwen2.5-0.5b"), training=t, layout=Layout(world=2 * pp, pp=pp, gpus_per_node=8))
+        return {b for _, parts in build_phases(job, stepped=False) for n, b, _ in parts if n == "optimizer_states"}
+
+    assert 0 not in states(0, 2) and 0 not in states(0, 1)
+    assert states(2, 1) == {0}
