@@ -164,3 +164,17 @@ def test_sliding_window_sdpa_is_modelled_where_cudnn_takes_the_mask():
     assert ledger_supported(job("fp16"))
     assert not ledger_supported(job(head_dim=256))
     assert not ledger_supported(job("fp32"))
+
+
+def test_zero2_later_micro_steps_allocate_their_own_grads_in_partition():
+    """_release_ipg_buffers sets grads_in_partition to None after every backward: with accumulation, stage 2's
+    second micro-step allocates a fresh one (the first lives on into the step) and frees it with its backward;
+    with one micro-step, or at stage 1, there is none."""
+    def fresh(stage, ga):
+        L = build_ledger(_job(stage, "none", "loss", 1, ga, 256, 4, 2), steps=2)
+        return [s for n, s in zip(L.names, L.sizes) if n == "zero.grads_in_partition (micro-step)"], L
+
+    sizes, L = fresh(2, 2)
+    whole = [s for n, s in zip(L.names, L.sizes) if n == "zero.grads_in_partition"]
+    assert len(sizes) == 2 and set(sizes) == set(whole)  # one per optimizer step, the first buffer's size
+    assert fresh(2, 1)[0] == [] and fresh(1, 2)[0] == []

@@ -92,6 +92,7 @@ class Zero12:
         self.bucket_params: list[tuple[str, Tensor | None]] = []  # (name, grad kept outside the bucket)
         self.bucket_elements = 0
         self.grads_in_partition: int | None = None
+        self.micro_partition: int | None = None  # a later micro-step's own grads_in_partition (see _copy_to_partition)
         self.held: dict[str, Tensor] = {}  # stage 1 / accumulation: param.grad kept whole
         self.micro = 0
         self.stream = REDUCTION_STREAM if overlap_comm else 0
@@ -207,10 +208,19 @@ class Zero12:
         L.free(L.alloc("zero.offload_grad_fp32", FP32 * n, "offload_staging", s))
 
     def _copy_to_partition(self) -> None:
+        """copy_grads_in_partition: allocates grads_in_partition (whole parameters that overlap this rank's
+        partition) at its first copy when it is None. _release_ipg_buffers sets it to None at the end of every
+        backward, so under stage 2 a later micro-step of the accumulation window allocates a fresh one while the
+        first one's storage lives on in the epilogue's all_grad_tensors views (ipg_epilogue
+        get_all_grad_tensors); the fresh one dies with the backward (the H200 trace of s4-023: 2.32 GiB allocated
+        in the boundary micro-step's first copy, freed after the bucket, the first kept into the step)."""
+        total = sum(grp.numels[i] for grp in self.groups for i in range(len(grp.numels)) if grp.in_partition(i))
         if self.grads_in_partition is None:
-            total = sum(grp.numels[i] for grp in self.groups for i in range(len(grp.numels)) if grp.in_partition(i))
             self.grads_in_partition = self.L.alloc("zero.grads_in_partition", self.b * total, "gradients",
                                                    self.stream)
+        elif self.stage == 2 and self.micro > 0 and self.micro_partition is None:
+            self.micro_partition = self.L.alloc("zero.grads_in_partition (micro-step)", self.b * total,
+                                                "gradients", self.stream)
 
     def end_backward(self, ag: Autograd, boundary: bool) -> None:
         """The backward epilogue: stage 2 reduces the rest and releases the buckets; stage 1 reduces
@@ -227,6 +237,9 @@ class Zero12:
         for tid in self.bucket:
             self.L.free(tid)
         self.bucket = []
+        if self.micro_partition is not None:
+            self.L.free(self.micro_partition)
+            self.micro_partition = None
         self.micro += 1
 
     # -- step -----------------------------------------------------------------------------------------
