@@ -65,6 +65,11 @@ class ModuleHooks:
     functions on its outputs and inputs, its backward pre/post hooks). The default runs nothing; ZeRO-3's
     parameter coordinator (estimator/zero3.py) gathers and releases parameters here."""
 
+    #: nn.Linear runs DeepSpeed's LinearFunctionForZeroStage3 (ZeRO-3's zero3_linear_wrap, see
+    #: lora.zero3_linear_uses_saved_input): its backward returns the weight's grad as a plain matmul result
+    #: (runtime/zero/linear.py: grad_output.reshape(-1, out).t().matmul(input)), not F.linear's transposed view
+    zero3_linear = False
+
     def pre_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
                     ) -> tuple[Tensor, ...]:
         return inputs
@@ -143,8 +148,9 @@ class Net:
         s, p = self.s, self.p
         w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
-        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t), x,
-                           params=(w, b_t))
+        view = not self.hooks.zero3_linear
+        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t,
+                                                    weight_grad_view=view), x, params=(w, b_t))
 
     def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
         """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""

@@ -40,6 +40,8 @@ ALLGATHER_STREAM = 2
 class Zero3Params(ModuleHooks):
     """The partitioned parameters and their coordinator (see the module docstring)."""
 
+    zero3_linear = True  # zero.Init's zero3_linear_wrap (ModuleHooks.zero3_linear)
+
     def __init__(self, places: Places, names: list[str], numels: list[int], n: int, b: int, zero):
         self.P, self.L, self.n, self.b = places, places.dev, n, b
         self.numel = dict(zip(names, numels))
