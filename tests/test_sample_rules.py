@@ -74,9 +74,17 @@ def test_mask_rule_is_transformers_own():
     assert cfg.qk_head_dim != cfg.v_head_dim and sample_rules.flash_reason(mla.spec, 1024, 1, "bf16")
 
 
+#: measured OOM rows the sampler's pinned bound (sample_fit.fit_bound) let through: it is not an upper bound there
+OOM_UNDER_THE_BOUND = {
+    "s4-053-qwen2.5-7b-out-z3-w8-sp4-s32k": "Ulysses sp 4 at 32K with the outputs loop: OOM at 125.9 GiB "
+                                            "allocated, bound 84.8 GiB (seed 4, session 6; not studied yet)",
+}
+
+
 def test_seed1_errors_are_refused_and_its_runs_allowed():
     """Every committed row that ran is allowed by the rules; every seed-1 error row is refused by one (the
-    trace rows' history-recording errors are the harness's, not the job's); both OOM rows exceed the bound."""
+    trace rows' history-recording errors are the harness's, not the job's); the OOM rows exceed the bound,
+    but those OOM_UNDER_THE_BOUND names (test_sampler_bound_covers_every_measured_oom)."""
     errors = 0
     for row in iter_rows(ROWS):
         job = job_of_row(row)
@@ -85,9 +93,17 @@ def test_seed1_errors_are_refused_and_its_runs_allowed():
         elif row["status"] == "error" and row.get("seed") == 1:
             assert sample.harness_reason(job) is not None, (row["name"], row["error"])
             errors += 1
-        elif row["status"] == "oom":
+        elif row["status"] == "oom" and row["name"] not in OOM_UNDER_THE_BOUND:
             assert fit_bound(job).device_bytes > sample.DEVICE_LIMIT_BYTES, row["name"]
     assert errors == 10
+
+
+@pytest.mark.xfail(strict=True, reason="; ".join(f"{k}: {v}" for k, v in OOM_UNDER_THE_BOUND.items()))
+def test_sampler_bound_covers_every_measured_oom():
+    """The sampler rejects what cannot fit the H200: every measured OOM row should exceed its bound."""
+    for row in iter_rows(ROWS):
+        if row["status"] == "oom":
+            assert fit_bound(job_of_row(row)).device_bytes > sample.DEVICE_LIMIT_BYTES, row["name"]
 
 
 def test_draw_applies_the_rules():
