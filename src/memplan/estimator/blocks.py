@@ -17,18 +17,17 @@ FP32 = 4
 
 
 def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None,
-           transposed: bool = True, weight_grad_view: bool | None = None) -> Tensor:
+           transposed: bool = True) -> Tensor:
     """nn.Linear on [.., in] → [.., out] (F.linear: mm, or addmm with a bias, on the 2-D view). Saves the
     input (and the weight, a parameter). torchgen emits a node's formulas in the sorted order of the input
     names (load_derivatives.py: sorted(defn.keys())): MmBackward0 (self, mat2) computes the weight's grad
     [out, in] first (mm_mat2_backward), then the input's [.., in] (mm_mat1_backward); AddmmBackward0
     (self, mat1, mat2) the input's, the weight's, then the bias's (the incoming grad itself, summed to [out]
     by the engine's validate_outputs). ``transposed``: F.linear multiplies by weight.t() (TBackward0 hands
-    the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not. ``weight_grad_view``
-    overrides that for the weight's grad (ZeRO-3's LinearFunctionForZeroStage3 returns a plain one: a tied
-    weight's two grads then sum in place, InputBuffer::accumulate)."""
+    the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not, nor does ZeRO-3's
+    LinearFunctionForZeroStage3, which returns a plain weight grad (a tied weight's two grads then sum in
+    place, InputBuffer::accumulate)."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
-    w_view = transposed if weight_grad_view is None else weight_grad_view
 
     def backward(ctx: _Ctx, grad: Tensor, node):
         # the input's grad reaches x through the reshape F.linear folds [.., in] into (a view of it)
@@ -36,7 +35,7 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
             return ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None
 
         def gw():
-            return ctx.new(f"grad.{name}.weight", w_bytes, view=w_view) if weight.requires_grad else None
+            return ctx.new(f"grad.{name}.weight", w_bytes, view=transposed) if weight.requires_grad else None
 
         if bias is None:
             w = gw()

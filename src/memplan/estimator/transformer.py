@@ -148,9 +148,9 @@ class Net:
         s, p = self.s, self.p
         w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
-        view = not self.hooks.zero3_linear
+        transposed = not self.hooks.zero3_linear  # ZeRO-3's linear multiplies by the weight itself
         return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t,
-                                                    weight_grad_view=view), x, params=(w, b_t))
+                                                    transposed=transposed), x, params=(w, b_t))
 
     def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
         """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""

@@ -214,13 +214,17 @@ class Zero12:
         first one's storage lives on in the epilogue's all_grad_tensors views (ipg_epilogue
         get_all_grad_tensors); the fresh one dies with the backward (the H200 trace of s4-023: 2.32 GiB allocated
         in the boundary micro-step's first copy, freed after the bucket, the first kept into the step)."""
-        total = sum(grp.numels[i] for grp in self.groups for i in range(len(grp.numels)) if grp.in_partition(i))
         if self.grads_in_partition is None:
-            self.grads_in_partition = self.L.alloc("zero.grads_in_partition", self.b * total, "gradients",
-                                                   self.stream)
+            self.grads_in_partition = self.L.alloc("zero.grads_in_partition", self._partition_grad_bytes(),
+                                                   "gradients", self.stream)
         elif self.stage == 2 and self.micro > 0 and self.micro_partition is None:
-            self.micro_partition = self.L.alloc("zero.grads_in_partition (micro-step)", self.b * total,
-                                                "gradients", self.stream)
+            self.micro_partition = self.L.alloc("zero.grads_in_partition (micro-step)",
+                                                self._partition_grad_bytes(), "gradients", self.stream)
+
+    def _partition_grad_bytes(self) -> int:
+        """grads_in_partition's bytes: every parameter that overlaps this rank's partition, whole."""
+        return self.b * sum(grp.numels[i] for grp in self.groups for i in range(len(grp.numels))
+                            if grp.in_partition(i))
 
     def end_backward(self, ag: Autograd, boundary: bool) -> None:
         """The backward epilogue: stage 2 reduces the rest and releases the buckets; stage 1 reduces
