@@ -156,15 +156,6 @@ def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activat
         first_layer=first_layer)
 
 
-def _states_at_init(job: Job) -> bool:
-    """FP16_Optimizer (ZeRO-0 in fp16, and bf16's DDP_BFLOAT16 outside pipeline parallelism, where
-    BF16_Optimizer takes over) creates the optimizer states at init: runtime/fp16/fused_optimizer.py
-    initialize_optimizer_states runs one optimizer step on a zero fp32 grad, so a skipped fp16 step leaves them
-    (the ledger's Zero0.initialize)."""
-    t, lay = job.training, job.layout
-    return t.zero.stage == 0 and t.dtype != "fp32" and not (t.dtype == "bf16" and lay.pp > 1)
-
-
 def _base_parts(job: Job, share: RankShare, st: States, stepped: bool) -> list[Part]:
     """What every moment of a step holds: model states, workspaces, and ZeRO-3's gathered working set."""
     z, b = job.training.zero, dtype_bytes(job.training.dtype)
@@ -175,7 +166,7 @@ def _base_parts(job: Job, share: RankShare, st: States, stepped: bool) -> list[P
     base = [("params_16bit", st.params_16bit, params_detail),
             ("params_persistent", st.params_persistent, "ZeRO-3 persistent (always gathered) parameters"),
             ("master_params_fp32", st.master_fp32, "fp32 master weights"),
-            ("optimizer_states", st.optimizer_states if stepped or _states_at_init(job) else 0, "optimizer states"),
+            ("optimizer_states", st.optimizer_states if stepped or st.states_at_init else 0, "optimizer states"),
             ("offload_staging", st.offload_staging, "GPU staging buffer for offload"),
             ("grad_accum_fp32", st.grad_accum_buffer, "BF16_Optimizer's full fp32 gradient buffer"),
             ("cuda_workspaces", CUBLAS_WORKSPACE_BYTES, "cuBLAS / cuBLASLt workspaces")]

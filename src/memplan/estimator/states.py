@@ -57,18 +57,22 @@ class States:
     nvme_bytes: int  # NVMe bytes for this rank
     grad_accum_buffer: int = 0  # BF16_Optimizer's persistent fp32 gradient buffer (full size)
     full_grads_in_backward: bool = False  # 16-bit param.grad accumulate whole through backward (no hooks)
+    states_at_init: bool = False  # the optimizer states exist before any step succeeds (FP16_Optimizer)
 
 
 def stage0(p: int, b: int, optimizer: str) -> States:
     """No ZeRO. bf16/fp16: runtime/fp16/fused_optimizer.py FP16_Optimizer (DDP_BFLOAT16 for bf16):
     flat 16-bit params, fp32 flat master, optimizer states on the master; grads are param.grad (b·P);
     step() flattens [g.to(fp32)] → per-param fp32 copies (4P) plus the flat fp32 grad (4P), then frees
-    the 16-bit grads. fp32 training: the plain torch optimizer, states of 4 bytes."""
+    the 16-bit grads; its initialize_optimizer_states runs one optimizer step on a zero fp32 grad at init, so the
+    states exist even when every fp16 step overflows. fp32 training: the plain torch optimizer, states of 4
+    bytes, created at its first step."""
     opt = OPTIMIZERS[optimizer]
     master = 4 * p if b < 4 else 0  # mixed precision keeps fp32 masters (Micikevicius et al. 2018)
     state_bytes = (4 if master else b) * opt.states_per_param * p
     transient = 8 * p if master else 0
-    return States(b * p, 0, master, state_bytes, b * p, b * p, 0, transient, 4 * p if master else 0, 0, 0, 0)
+    return States(b * p, 0, master, state_bytes, b * p, b * p, 0, transient, 4 * p if master else 0, 0, 0, 0,
+                  states_at_init=bool(master))
 
 
 def stage12(stage: int, p: int, n: int, b: int, c: int, bucket: int, overlap: bool, largest: int,
