@@ -65,8 +65,10 @@ def _unmodelled_fp32_accumulation(job: Job) -> bool:
     """fp32 gradient accumulation the ledger does not model yet: ZeRO-1 other than BF16_Optimizer (fp16, or
     offloaded: DeepSpeedZeroOptimizer's grad_accum attribute) and ZeRO-2 offloaded (its fp32 compact partition
     buffer); BF16_Optimizer (bf16, ZeRO-1, no offload) and ZeRO-2 on the GPU are modelled."""
+    from .states import fp32_accumulation
+
     t, z = job.training, job.training.zero
-    if t.grad_accum_dtype != "fp32" or t.dtype == "fp32":
+    if not fp32_accumulation(job):
         return False
     offload = z.offload_optimizer != "none"
     return (z.stage == 1 and (t.dtype != "bf16" or offload)) or (z.stage == 2 and offload)

@@ -17,7 +17,7 @@ from . import activations as act
 from . import head
 from .layout import RankShare, rank_share
 from .lora import saved_deltas
-from .states import States, bf16_optimizer, stage0, stage3, stage12
+from .states import States, bf16_optimizer, fp32_accumulation, picks_bf16_optimizer, stage0, stage3, stage12
 from .zero3_working_set import zero3_saved_experts, zero3_turn_gathered
 
 Part = tuple  # (name, bytes, detail)
@@ -59,20 +59,18 @@ def _trained_states(job: Job, share: RankShare, rank0: bool) -> States:
     g = dtype_bytes(t.grad_accum_dtype or t.dtype)
     c = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
     n = lay.zero_group
-    # engine._do_optimizer_sanity_check: BFLOAT16 for bf16 at ZeRO-0 under pipeline parallelism, and for
-    # bf16 + ZeRO-1 + fp32 accumulation
-    if z.stage == 0 and t.dtype == "bf16" and lay.pp > 1:
-        return bf16_optimizer(share.params, lay.dp, t.optimizer, g)
+    if picks_bf16_optimizer(job):
+        if z.stage == 0:
+            return bf16_optimizer(share.params, lay.dp, t.optimizer, g)
+        return bf16_optimizer(share.params, n, t.optimizer)
     if z.stage == 0:
         return stage0(share.params, b, t.optimizer)
-    if z.stage == 1 and t.dtype == "bf16" and t.grad_accum_dtype == "fp32" and z.offload_optimizer == "none":
-        return bf16_optimizer(share.params, n, t.optimizer)
     if z.stage in (1, 2):
         buffer = share.zero2_grad_buffer_rank0 if rank0 else share.zero2_grad_buffer
         return stage12(z.stage, share.params, n, b, c, z.reduce_bucket_size, z.overlap, share.largest,
                        buffer, share.zero2_largest_piece_rank0 if rank0 else share.zero2_largest_piece,
                        t.grad_accum, t.optimizer, z.offload_optimizer,
-                       compact_fp32=t.grad_accum_dtype == "fp32" and t.dtype != "fp32")
+                       compact_fp32=fp32_accumulation(job))
     return stage3(share.zero3_partition, b * share.zero3_persistent, b, g, c, z.reduce_bucket_size,
                   t.optimizer, z.offload_optimizer, z.offload_param, z.sub_group_size)
 

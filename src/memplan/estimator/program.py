@@ -27,6 +27,7 @@ from .bf16opt import BF16Optimizer
 from .families import forward as forward_of
 from .optim import Optimizer
 from .places import Places
+from .states import picks_bf16_optimizer
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
 from .zero3 import Zero3
@@ -59,14 +60,6 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
     return ids
 
 
-def bf16_optimizer(job: Job) -> bool:
-    """engine.py _do_optimizer_sanity_check picks BF16_Optimizer: bf16, ZeRO stage 1, fp32 gradient accumulation,
-    no optimizer offload (pipeline parallelism at stage 0 too, outside the ledger)."""
-    t, z = job.training, job.training.zero
-    return (t.dtype == "bf16" and z.stage == 1 and t.grad_accum_dtype == "fp32"
-            and z.offload_optimizer == "none")
-
-
 def _engine(L: Ledger, job: Job, trainable, places: Places):
     from ..params import parameter_tensors
 
@@ -77,7 +70,7 @@ def _engine(L: Ledger, job: Job, trainable, places: Places):
     opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
-    if bf16_optimizer(job):
+    if picks_bf16_optimizer(job):  # at stage 1 here: pipeline parallelism is outside the ledger
         return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype), b, lay.zero_group, opt)
     if z.stage in (1, 2):
         group = FlatGroup(names, numels, lay.zero_group, 0)

@@ -39,6 +39,23 @@ OPTIMIZERS = {
 }
 
 
+def fp32_accumulation(job) -> bool:
+    """16-bit training whose grads DeepSpeed accumulates in fp32 (data_types.grad_accum_dtype fp32; engine.py
+    get_data_types): stage_1_and_2.py _use_compact_grad_partition_buffer's condition, and BF16_Optimizer's."""
+    t = job.training
+    return t.grad_accum_dtype == "fp32" and t.dtype != "fp32"
+
+
+def picks_bf16_optimizer(job) -> bool:
+    """engine.py _do_optimizer_sanity_check picks BF16_Optimizer for bf16 at ZeRO stage 1 with fp32 gradient
+    accumulation and no optimizer offload (and for bf16 at stage 0 under pipeline parallelism)."""
+    t, z = job.training, job.training.zero
+    if t.dtype != "bf16":
+        return False
+    return (z.stage == 1 and fp32_accumulation(job) and z.offload_optimizer == "none") or (
+        z.stage == 0 and job.layout.pp > 1)
+
+
 @dataclass(frozen=True, slots=True)
 class States:
     """Persistent and phase-dependent model-state bytes on the GPU, and host / NVMe bytes per rank."""
