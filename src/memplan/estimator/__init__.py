@@ -49,16 +49,14 @@ def _attention_modelled(m, attention: str) -> bool:
     (trace-s1-049-mistral-7b-*) shows the converted mask saved, the philox seed and offset, cuDNN's backward
     workspace, with k and v repeat_kv'd. Not yet: the memory-efficient kernel given a mask (head_dim > 128,
     fp32) and the math fallback on CUDA, which no CUDA trace has checked."""
-    from .activations import sdpa_backend
-    from .blocks_attention import Geometry, dispatch
+    from .activations import sdpa_backend, sdpa_dispatch
 
     if attention == "eager":
         return True
-    backend = sdpa_backend(m, 2, attention)
-    if backend == "masked":
-        g = Geometry(1, 2, m.num_heads, m.num_kv_heads, m.head_dim, 2)
-        return dispatch("cuda", attention, None, g, True, m.attention_dropout)[0] == "cudnn"
-    return backend in ("cudnn", "flash")
+    if sdpa_backend(m, 2, attention) == "eager":  # BLOOM: transformers runs its own attention
+        return False
+    kernel, masked = sdpa_dispatch(m, 2, attention)
+    return kernel == "cudnn" or (kernel == "flash" and not masked)
 
 
 def _unmodelled_fp32_accumulation(job: Job) -> bool:

@@ -63,14 +63,20 @@ def sdpa_backend(m: ModelSpec, b: int, attention: str) -> str:
     attention), "masked" (a fused kernel given the sliding-window mask: use_gqa_in_sdpa is off, so k and v
     are repeat_kv'd), else the CUDA kernel of the one dispatch rule (blocks_attention.dispatch: "cudnn",
     "flash", "efficient" or "math"; cuDNN and flash save the same q, k, v, out and logsumexp)."""
-    from .blocks_attention import Geometry, dispatch
-
     if attention == "eager" or m.family == "bloom":
         return "eager"
+    kernel, masked = sdpa_dispatch(m, b, attention)
+    return "masked" if masked and kernel != "math" else kernel
+
+
+def sdpa_dispatch(m: ModelSpec, b: int, attention: str) -> tuple[str, bool]:
+    """(the CUDA kernel blocks_attention.dispatch picks for the model's attention call, whether a sliding
+    window's mask is passed to it)."""
+    from .blocks_attention import Geometry, dispatch
+
     masked = m.sliding_window is not None
     g = Geometry(1, 2, m.num_heads, m.num_kv_heads, m.head_dim, b)  # the kernel does not depend on B, S > 1
-    kernel = dispatch("cuda", attention, None, g, masked, m.attention_dropout)[0]
-    return "masked" if masked and kernel != "math" else kernel
+    return dispatch("cuda", attention, None, g, masked, m.attention_dropout)[0], masked
 
 
 def _attention_core(m: ModelSpec, b: int, attention: str, seq: int, qkv_fused: bool) -> list[Term]:
