@@ -351,9 +351,20 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
     assert committed == sample_call.select(seed2, 60, 1, 1400)  # the README's command
     call5 = [json.loads(x) for x in (SAMPLED / "call5.jsonl").read_text().splitlines()]
     assert call5 == sample_call.select(seed2, 120, 1, 2300) and call5[:len(committed)] == committed
+    seed4 = [json.loads(x) for x in (SAMPLED / "seed4.jsonl").read_text().splitlines()]
+    measured4 = SAMPLED.parent / "rows-sampled-seed4-h200-1.jsonl"
+    names4 = frozenset(json.loads(x)["name"] for x in measured4.read_text().splitlines())
+    call11 = [json.loads(x) for x in (SAMPLED / "call11.jsonl").read_text().splitlines()]
+    assert call11 == sample_call.select(seed4, 120, 1, 1500, names4) and not names4 & {x["name"] for x in call11}
+    out11 = tmp_path / "call11.jsonl"  # the README's command, --skip-rows reading the committed rows
+    assert sample_call.main([str(SAMPLED / "seed4.jsonl"), "--first", "120", "--budget-s", "1500",
+                             "--skip-rows", str(measured4), "--out", str(out11)]) == 0
+    assert [json.loads(x) for x in out11.read_text().splitlines()] == call11
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
-                 [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)]):
+                 [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
+                 [str(matrix), "--first", "3", "--budget-s", "9", "--skip-rows", str(tmp_path / "none.jsonl"),
+                  "--out", str(tmp_path / "x.jsonl")]):
         with pytest.raises(SystemExit) as exc:
             sample_call.main(argv)
         err = capsys.readouterr().err.strip().splitlines()

@@ -7,6 +7,9 @@ alone) past S, so FILE is a prefix of what the node can run. S is the call's bat
 parallelism: the seed-1 run measured 79 rows (3,111 s of wall summed) in two calls of 560 and 470 s deadlines
 (benchmarks/accuracy/README.md), about 1,500 s of job wall per ~9-minute call. The lines are copied as they
 are (python -m memplan.verify.batch FILE runs them and skips what rows.jsonl already holds).
+
+`--skip-rows ROWS.jsonl` (repeatable) leaves out the lines whose name a committed rows file already holds, so a
+later call takes the next unmeasured prefix without re-counting what earlier calls measured.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ MAX_LINES = 100_000
 MAX_GPUS = 1024
 
 
-def select(lines: list[dict[str, Any]], first: int, node_gpus: int, budget_s: float) -> list[dict[str, Any]]:
-    """The lines of one call (see the module docstring)."""
+def select(lines: list[dict[str, Any]], first: int, node_gpus: int, budget_s: float,
+           measured: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """The lines of one call (see the module docstring); names in `measured` are left out."""
     out: list[dict[str, Any]] = []
     spent = 0.0
     for line in lines[:first]:
-        if (line.get("needs_gpus") or 1) > node_gpus:
+        if (line.get("needs_gpus") or 1) > node_gpus or line.get("name") in measured:
             continue
         wall = float(line.get("predicted_wall_s") or 0.0)
         if spent + wall > budget_s:
@@ -71,15 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=_seconds, required=True, metavar="S",
                    help="summed predicted wall seconds the call holds")
     p.add_argument("--out", required=True, metavar="FILE.jsonl", help="the call's matrix")
+    p.add_argument("--skip-rows", action="append", default=[], metavar="ROWS.jsonl",
+                   help="measured rows whose names are left out (repeatable)")
     return p
 
 
-def _read(path: str) -> list[dict[str, Any]]:
+def _read(path: str, field: str = "matrix") -> list[dict[str, Any]]:
     from ..errors import InputError
     from ..inputs import read_json_lines
 
     try:
-        return [line for _, line in read_json_lines(Path(path), "matrix")]
+        return [line for _, line in read_json_lines(Path(path), field)]
     except InputError as exc:
         build_parser().error(str(exc))  # exits 2
     return []
@@ -93,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = _read(args.matrix)
     if any(not isinstance(x, dict) or not isinstance(x.get("name"), str) for x in lines):
         build_parser().error("matrix: allowed: JSON lines of {\"name\": ..., \"args\": [...]} objects")
-    chosen = select(lines, args.first, args.node_gpus, args.budget_s)
+    measured = frozenset(str(row.get("name")) for rows in args.skip_rows for row in _read(rows, "--skip-rows")
+                         if isinstance(row, dict))
+    chosen = select(lines, args.first, args.node_gpus, args.budget_s, measured)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in chosen))
