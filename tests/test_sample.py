@@ -360,6 +360,12 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
     assert sample_call.main([str(SAMPLED / "seed4.jsonl"), "--first", "120", "--budget-s", "1500",
                              "--skip-rows", str(measured4), "--out", str(out11)]) == 0
     assert [json.loads(x) for x in out11.read_text().splitlines()] == call11
+    measured4b = SAMPLED.parent / "rows-sampled-seed4-h200-2.jsonl"  # call 11's rows: call 12 takes the rest
+    names4b = names4 | frozenset(json.loads(x)["name"] for x in measured4b.read_text().splitlines())
+    call12 = [json.loads(x) for x in (SAMPLED / "call12.jsonl").read_text().splitlines()]
+    assert call12 == sample_call.select(seed4, 120, 1, 1450, names4b)
+    traces13 = [json.loads(x) for x in (SAMPLED.parent / "matrix13-traces.jsonl").read_text().splitlines()]
+    assert [json.loads(x) for x in (SAMPLED / "call13.jsonl").read_text().splitlines()] == traces13 + call12
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
