@@ -72,10 +72,10 @@ def sdpa_backend(m: ModelSpec, b: int, attention: str) -> str:
 def sdpa_dispatch(m: ModelSpec, b: int, attention: str) -> tuple[str, bool]:
     """(the CUDA kernel blocks_attention.dispatch picks for the model's attention call, whether a sliding
     window's mask is passed to it)."""
-    from .blocks_attention import Geometry, dispatch
+    from .blocks_attention import dispatch, model_geometry
 
     masked = m.sliding_window is not None
-    g = Geometry(1, 2, m.num_heads, m.num_kv_heads, m.head_dim, b)  # the kernel does not depend on B, S > 1
+    g = model_geometry(m, 1, 2, b)  # the kernel does not depend on B, S > 1
     return dispatch("cuda", attention, None, g, masked, m.attention_dropout)[0], masked
 
 

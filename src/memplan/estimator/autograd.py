@@ -37,7 +37,7 @@ class Storage:
 class Tensor:
     """A tensor (or a view of one): its storage, its own byte size, its grad_fn and whether it needs grad."""
 
-    __slots__ = ("is_view", "name", "nbytes", "node", "param", "requires_grad", "slot", "storage")
+    __slots__ = ("is_view", "name", "nbytes", "node", "param", "requires_grad", "slot", "storage", "summed_bytes")
 
     def __init__(self, storage: Storage | None, nbytes: int, name: str, requires_grad: bool, node=None,
                  param: str | None = None, is_view: bool = False, slot: int = 0):
@@ -45,6 +45,9 @@ class Tensor:
         self.requires_grad, self.node, self.param = requires_grad, node, param
         self.is_view = is_view
         self.slot = slot  # which output of a multi-output node (chunk) this tensor is
+        #: a gradient both broadcast and wider than its input: validate_outputs sums it to this many bytes
+        #: (its own dtype) before casting it to the input's (0: one step)
+        self.summed_bytes = 0
 
 
 class Node:
@@ -185,6 +188,11 @@ class Autograd:
             self.suppress = True
         return out
 
+    def recompute_stops_at_next_op(self) -> bool:
+        """Whether a checkpoint's recompute ends at the next op that records a node (it packs that op's inputs
+        and stops before the kernel runs: a temporary the kernel would make first is not made)."""
+        return self.stop_at is not None and len(self.nodes) == self.stop_at
+
     def keep(self, out: Tensor, extra: Tensor) -> None:
         """Save ``extra`` for ``out``'s node too (a kernel output allocated after the op's result, such as
         flash attention's logsumexp)."""
@@ -258,6 +266,12 @@ class Autograd:
         fixed = []
         for inp, g in zip(node.inputs, outs):
             if g is not None and inp is not None and g.nbytes > inp.nbytes:
+                summed = None
+                if g.summed_bytes and g.summed_bytes != inp.nbytes:  # reduce_grad, then grad.to(dtype)
+                    summed = self.empty(f"{g.name}.summed", g.summed_bytes, component="activations")
+                    if g is not grad:
+                        self.release(g)
+                    g = summed
                 r = self.empty(f"{g.name}.reduced", inp.nbytes, component="activations")
                 if g is not grad:
                     self.release(g)

@@ -123,6 +123,51 @@ def add(ag: Autograd, a: Tensor, c: Tensor, name: str) -> Tensor:
     return ag.op(name, max(a.nbytes, c.nbytes), (a, c), (), lambda ctx, grad, node: grad)
 
 
+def sub(ag: Autograd, a: Tensor, c: Tensor, name: str) -> Tensor:
+    """a - c (same shape): SubBackward0 computes, in sorted input-name order, other's grad −grad (a new
+    tensor, derivatives.yaml sub.Tensor: handle_r_to_c(other, maybe_multiply(-grad, alpha))), then passes
+    the incoming grad to self."""
+    def backward(ctx, grad, node):
+        gc = ctx.new(f"grad.{name}.other", c.nbytes) if c.requires_grad else None
+        return (grad if a.requires_grad else None, gc)
+
+    return ag.op(name, max(a.nbytes, c.nbytes), (a, c), (), backward)
+
+
+def expand_view(ag: Autograd, x: Tensor, nbytes: int, name: str) -> Tensor:
+    """x.expand(..): a view of ``nbytes`` logical bytes; ExpandBackward0 sums the grad back to x's size (a new
+    tensor; at::sum_to returns the grad itself when nothing was expanded)."""
+    v = ag.view(x, name, nbytes)
+    if v.node is not None and nbytes != x.nbytes:
+        v.node.backward = lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),)
+    return v
+
+
+def copy_slice(ag: Autograd, base: Tensor, src: Tensor, name: str) -> Tensor:
+    """base[..., a:b].copy_(src) on a tensor made by new_empty: base under a CopySlices node (autograd's
+    rebase_history of an in-place op on a view). CopySlices::apply (torch/csrc/autograd/functions/tensor.cpp):
+    result = new_empty_strided(base) and result.copy_(grad) (base's size), then CopyBackwards on
+    grad_slice.clone() (src's size, src's grad): zeros_like for the slice when base needs a grad (copied
+    into result's slice and freed with the returned list), else result dies as apply returns. Returns base
+    after the copy (the same storage, one more reference)."""
+    needs = src.requires_grad or base.requires_grad
+    out = Tensor(base.storage, base.nbytes, name, needs)
+    ag.ref(out)
+
+    def backward(ctx, grad, node):
+        result = ctx.new(f"grad.{name}.base", base.nbytes)
+        clone = ctx.new(f"grad.{name}.src", src.nbytes)
+        if base.requires_grad:
+            ctx.free(ctx.new(f"grad.{name}.zeros", src.nbytes))
+            return (result, clone if src.requires_grad else None)
+        ctx.free(result)
+        return (None, clone if src.requires_grad else None)
+
+    if needs and ag.grad_enabled:
+        out.node = ag._node(name, (base, src), (), backward)
+    return out
+
+
 def rmsnorm(ag: Autograd, x: Tensor, weight: Tensor, b: int, name: str) -> Tensor:
     """LlamaRMSNorm.forward: h = x.to(fp32); var = h.pow(2).mean(-1, keepdim); h = h·rsqrt(var + eps);
     return weight · h.to(dtype). Saved: the fp32 input (by pow and the product), rsqrt [T, 1], the cast-back

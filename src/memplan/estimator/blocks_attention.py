@@ -43,9 +43,16 @@ EFFICIENT_LSE_ALIGN = 32
 EFFICIENT_MASK_ALIGN = 16
 
 
+#: cuDNN's one head-width pair with unequal widths, DeepSeek's MLA (d_qk 192, d_v 128): torch 2.11 on the H200
+#: runs it (benchmarks/attention/mla-sdpa-probe-h200.jsonl: aten::_scaled_dot_product_cudnn_attention at every
+#: probed shape), as cudnn-frontend documents ("d_qo should be equal to d_kv, except d_qk 192 / d_vo 128")
+CUDNN_MLA_HEAD_DIMS = (192, 128)
+
+
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """One attention call: batch, query/key length, heads, key/value heads, head_dim, bytes per element."""
+    """One attention call: batch, query/key length, heads, key/value heads, head_dim (q and k), bytes per
+    element, and the value head width when it differs (MLA's v_head_dim; 0: head_dim)."""
 
     batch: int
     seq: int
@@ -53,14 +60,34 @@ class Geometry:
     kv_heads: int
     head_dim: int
     b: int
+    v_head_dim: int = 0
+
+    @property
+    def dv(self) -> int:
+        """Width per head of v and of the output."""
+        return self.v_head_dim or self.head_dim
 
     def bytes(self, heads: int | None = None, head_dim: int | None = None, b: int | None = None) -> int:
         """Bytes of one [B, heads, S, head_dim] tensor (defaults: the query's)."""
         return ((b or self.b) * self.batch * (heads or self.heads) * self.seq * (head_dim or self.head_dim))
 
+    def v_bytes(self, heads: int | None = None, b: int | None = None) -> int:
+        """Bytes of one [B, heads, S, dv] tensor (v, the output; defaults: the query's heads)."""
+        return self.bytes(heads, self.dv, b)
+
+
     def scores(self, b: int | None = None) -> int:
         """Bytes of the [B, nh, S, S] score matrix."""
         return (b or self.b) * self.batch * self.heads * self.seq * self.seq
+
+
+def model_geometry(m, batch: int, seq: int, b: int) -> Geometry:
+    """The attention call of model ``m`` (a ModelSpec): MLA attends over [nh, qk_nope + qk_rope] queries and
+    keys and [nh, v_head_dim] values (DeepseekV3Attention: expand_kv), the others over head_dim."""
+    if m.kv_lora_rank is not None:
+        return Geometry(batch, seq, m.num_heads, m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, b,
+                        m.v_head_dim)
+    return Geometry(batch, seq, m.num_heads, m.num_kv_heads, m.head_dim, b)
 
 
 def sdpa_kernel(net, g: Geometry, has_mask: bool, dropout: float, enable_gqa: bool) -> str:
@@ -87,10 +114,12 @@ def select_kernel(device: str, attention: str, forced: str | None, g: Geometry, 
         return forced
     if attention == "flash":
         return "flash"
-    if device == "cpu":
-        return "math" if dropout > 0 else "cpu_flash"
+    if device == "cpu":  # check_head_dim_size_cpp: flash needs q, k and v of one width
+        return "math" if dropout > 0 or g.dv != g.head_dim else "cpu_flash"
     if CUDNN_FIRST and cudnn_takes(g, dropout):
         return "cudnn"
+    if g.dv != g.head_dim:  # unequal widths outside cuDNN's pair: the memory-efficient kernel (not modelled)
+        return "math"
     if not has_mask and g.b == 2 and g.head_dim <= FLASH_MAX_HEAD_DIM:
         return "flash"
     if g.head_dim % (8 if g.b == 2 else 4) == 0 and not enable_gqa:
@@ -101,8 +130,10 @@ def select_kernel(device: str, attention: str, forced: str | None, g: Geometry, 
 def cudnn_takes(g: Geometry, dropout: float) -> bool:
     """can_use_cudnn_attention for a dense training call (see select_kernel)."""
     steps = dropout * CUDNN_DROPOUT_STEPS
-    return (g.b == 2 and g.head_dim % CUDNN_HEAD_ALIGN == 0 and g.head_dim <= CUDNN_MAX_HEAD_DIM
-            and steps == int(steps) and g.seq > 1)
+    widths = (g.head_dim, g.dv)
+    shapes = (widths == CUDNN_MLA_HEAD_DIMS
+              or all(d % CUDNN_HEAD_ALIGN == 0 and d <= CUDNN_MAX_HEAD_DIM for d in widths) and g.dv == g.head_dim)
+    return g.b == 2 and shapes and steps == int(steps) and g.seq > 1
 
 
 def use_gqa(g: Geometry, has_mask: bool) -> bool:
@@ -117,7 +148,7 @@ def dispatch(device: str, attention: str, forced: str | None, g: Geometry, has_m
     grouped-query heads and no use_gqa_in_sdpa, k and v arrive repeated to the query heads."""
     gqa = use_gqa(g, has_mask)
     if g.heads != g.kv_heads and not gqa:
-        g = Geometry(g.batch, g.seq, g.heads, g.heads, g.head_dim, g.b)
+        g = Geometry(g.batch, g.seq, g.heads, g.heads, g.head_dim, g.b, g.v_head_dim)
     return select_kernel(device, attention, forced, g, has_mask, dropout, gqa), g, gqa
 
 
@@ -169,7 +200,7 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     dropped = B.dropout(ag, probs, dropout, g.b, f"{name}.dropout", net.device)
     ag.release(probs)
     # attn_output.transpose(1, 2).contiguous() below hands the matmul's _unsafe_view a transposed grad
-    out = B.matmul(ag, dropped, vr, g.bytes(), f"{name}.out", copy_c=_folds_copy(n_rep == 1 and v_bshd, g),
+    out = B.matmul(ag, dropped, vr, g.v_bytes(), f"{name}.out", copy_c=_folds_copy(n_rep == 1 and v_bshd, g),
                    grad_copy=_folds_copy(True, g))
     o = B.clone(ag, out, f"{name}.out_contiguous")
     ag.release(out)

@@ -191,7 +191,7 @@ def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     suffix = "" if ag.saving else ".tmp"
 
     def backward(ctx: _Ctx, grad: Tensor, node):
-        tmp = ctx.new(f"{name}.grad_out_copy.tmp", g.bytes())
+        tmp = ctx.new(f"{name}.grad_out_copy.tmp", g.v_bytes())
         grads = (ctx.new(f"grad.{name}.q", q.nbytes), ctx.new(f"grad.{name}.k", k.nbytes),
                  ctx.new(f"grad.{name}.v", v.nbytes))
         work = ctx.new(f"{name}.workspace.tmp", cudnn_bwd_workspace_bytes(g))
@@ -202,7 +202,7 @@ def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     seed = ag.empty(f"{name}.philox_seed{suffix}", 8)
     offset = ag.empty(f"{name}.philox_offset{suffix}", 8)
     saved = (mask, k, q, v) if mask is not None else (k, q, v)
-    out = ag.op(f"{name}.out", g.bytes(), (q, k, v), saved, backward)
+    out = ag.op(f"{name}.out", g.v_bytes(), (q, k, v), saved, backward)
     lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
     ag.release(ag.empty(f"{name}.workspace.tmp", CUDNN_FWD_WORKSPACE_BYTES))
     for t in (out, lse, seed, offset):
@@ -248,7 +248,7 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     n_rep = g.heads // g.kv_heads
     q32 = B.to_dtype(ag, q, g.bytes(b=FP32), f"{name}.q_fp32")
     k32 = B.to_dtype(ag, k, g.bytes(g.kv_heads, b=FP32), f"{name}.k_fp32")
-    v32 = B.to_dtype(ag, v, g.bytes(g.kv_heads, b=FP32), f"{name}.v_fp32")
+    v32 = B.to_dtype(ag, v, g.v_bytes(g.kv_heads, b=FP32), f"{name}.v_fp32")
     qs = B.scale(ag, q32, f"{name}.q_scaled")
     if mask is None:  # is_causal: at::ones({L, S}, bool).tril(), then convert_boolean_attn_mask
         ones = ag.empty(f"{name}.causal_ones", g.seq * g.seq)
@@ -272,9 +272,9 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     ag.release(probs)  # attn rebound to the dropout's output
     probs_out = B.to_dtype(ag, dropped, g.scores(), f"{name}.probs_out")
     # the output goes through transpose(1, 2).contiguous(): its reshape's backward sees a transposed grad
-    o32 = B.matmul(ag, dropped, vr, g.bytes(b=FP32), f"{name}.out_fp32",
+    o32 = B.matmul(ag, dropped, vr, g.v_bytes(b=FP32), f"{name}.out_fp32",
                    copy_c=_folds_copy(n_rep == 1 and bshd[2], g), grad_copy=_folds_copy(True, g))
-    out = B.to_dtype(ag, o32, g.bytes(), f"{name}.out")
+    out = B.to_dtype(ag, o32, g.v_bytes(), f"{name}.out")
     ag.release(o32)
     for t in (dropped, vr, kr, qs, fmask, v32, k32, q32, probs_out):
         ag.release(t)

@@ -59,6 +59,21 @@ TINY = {
                   "mlp_only_layers": [1]},
     "qwen3_moe_unnormed": {**_LLAMA, "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 40,
                            "num_experts": 3, "num_experts_per_tok": 1, "norm_topk_prob": False},
+    # MLA with unequal q/k and v widths (24 / 12), the q latent, interleaved RoPE, a dense first layer, then
+    # grouped routing (2 groups, 1 used) over 4 experts and a shared expert; and without the q latent, with
+    # rotate_half RoPE, one group, unnormalised weights, two shared experts and no dense layer
+    "deepseek_v3": {**_LLAMA, "model_type": "deepseek_v3", "intermediate_size": 96, "moe_intermediate_size": 32,
+                    "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "norm_topk_prob": True},
+    "olmo2": {**_LLAMA, "model_type": "olmo2"},  # q/k norms over the whole width, norms after attention / MLP
+    "olmo2_bias": {**_LLAMA, "model_type": "olmo2", "attention_bias": True, "num_key_value_heads": 4},
+    "deepseek_v3_plain": {**_LLAMA, "model_type": "deepseek_v3", "moe_intermediate_size": 24,
+                          "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+                          "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 3, "num_experts_per_tok": 1,
+                          "n_group": 1, "topk_group": 1, "n_shared_experts": 2, "first_k_dense_replace": 0,
+                          "norm_topk_prob": False, "rope_interleave": False},
 }
 
 

@@ -276,12 +276,13 @@ def causal_mask(net: Net) -> Tensor | None:
     return out
 
 
-def rotary(ag: Autograd, m: ModelSpec, s: Shape, dim: int | None = None) -> tuple[Tensor, Tensor]:
+def rotary(ag: Autograd, m: ModelSpec, s: Shape, dim: int | None = None, cast: bool = True) -> tuple[Tensor, Tensor]:
     """LlamaRotaryEmbedding.forward under no_grad: positions as fp32 [P, 1, S] (P rows of position_ids),
     freqs = inv_freq [P, d/2, 1] @ positions [P, d/2, S], emb = cat(freqs, freqs) [P, S, d], cos and sin in
     fp32 times attention_scaling, cast to the training dtype. Returns (cos, sin) [P, S, d]; every layer's
     RoPE saves them. ``dim``: the rotated dims when not all of head_dim (GPTNeoXRotaryEmbedding's
-    head_dim · partial_rotary_factor)."""
+    head_dim · partial_rotary_factor). ``cast=False``: the fp32 tables themselves (Olmo2RotaryEmbedding returns
+    them uncast)."""
     d, rows = dim or m.head_dim, s.pos_batch
     with_grad, ag.grad_enabled = ag.grad_enabled, False
     pos = ag.empty("rope.positions", B.FP32 * rows * s.seq)
@@ -292,8 +293,9 @@ def rotary(ag: Autograd, m: ModelSpec, s: Shape, dim: int | None = None) -> tupl
         raw = ag.empty(f"rope.{which}_fp32", B.FP32 * rows * s.seq * d)
         out.append(ag.empty(f"rope.{which}_scaled", B.FP32 * rows * s.seq * d))
         ag.release(raw)
-    cos = B.to_dtype(ag, out[0], s.b * rows * s.seq * d, "rope.cos")
-    sin = B.to_dtype(ag, out[1], s.b * rows * s.seq * d, "rope.sin")
+    width = s.b if cast else B.FP32
+    cos = B.to_dtype(ag, out[0], width * rows * s.seq * d, "rope.cos")
+    sin = B.to_dtype(ag, out[1], width * rows * s.seq * d, "rope.sin")
     for t in (pos, freqs, emb, *out):
         ag.release(t)
     ag.grad_enabled = with_grad

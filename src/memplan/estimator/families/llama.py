@@ -75,8 +75,13 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
     """LlamaMLP.forward: down(act(gate(x)) · up(x))."""
+    return gated_mlp(net, x, f"model.layers.{i}.mlp", net.m.intermediate_size)
+
+
+def gated_mlp(net: Net, x: Tensor, pre: str, n: int) -> Tensor:
+    """LlamaMLP.forward of the module ``pre`` with intermediate width ``n`` (also DeepseekV3MLP, the shared
+    experts among them)."""
     ag, m, s = net.ag, net.m, net.s
-    pre, n = f"model.layers.{i}.mlp", m.intermediate_size
     gate = net.linear(x, f"{pre}.gate_proj", n, m.mlp_bias)
     act = B.silu(ag, gate, f"{pre}.act")
     ag.release(gate)
@@ -89,13 +94,15 @@ def mlp(net: Net, x: Tensor, i: int) -> Tensor:
     return y
 
 
-def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None, mlp_fn=mlp) -> Tensor:
-    """LlamaDecoderLayer.forward; ``x`` stays referenced by the caller during the call."""
+def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None, mlp_fn=mlp,
+          attn_fn=attention) -> Tensor:
+    """LlamaDecoderLayer.forward (DeepseekV3DecoderLayer's too, with its attention); ``x`` stays referenced by
+    the caller during the call."""
     ag = net.ag
     pre = f"model.layers.{i}"
     residual = ag.ref(x)
     h = net.rmsnorm(x, f"{pre}.input_layernorm")
-    a, weights = attention(net, h, i, cos, sin, mask)  # hidden_states, _ = self.self_attn(...)
+    a, weights = attn_fn(net, h, i, cos, sin, mask)  # hidden_states, _ = self.self_attn(...)
     ag.release(h)
     h = B.add(ag, residual, a, f"{pre}.attn_residual")
     ag.release(a)
@@ -121,21 +128,27 @@ def layer_extras(m, mask: Tensor | None, cos: Tensor, sin: Tensor, pos_ids: Tens
     return frame_extras(mask, (cos, sin), pos_ids)
 
 
-def forward(net: Net, mlp_fn=mlp) -> Output:
-    """LlamaForCausalLM.forward(input_ids, labels): the output object (loss and logits)."""
+def _rmsnorm(net: Net, x: Tensor, name: str) -> Tensor:
+    return net.rmsnorm(x, name)
+
+
+def forward(net: Net, mlp_fn=mlp, attn_fn=attention, block=None, norm_fn=_rmsnorm) -> Output:
+    """LlamaForCausalLM.forward(input_ids, labels): the output object (loss and logits). ``block``: the decoder
+    layer (default ``layer``; OLMo 2's differs), ``norm_fn``: the final norm's forward."""
+    block = block or layer
     ag, m, s, p = net.ag, net.m, net.s, net.p
     w = p["model.embed_tokens.weight"]
     emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, w), params=(w,))
     pos_ids = positions(ag, s)
     mask = causal_mask(net)
-    cos, sin = rotary(ag, m, s)
+    cos, sin = rotary(ag, m, s, cast=m.family != "olmo2")  # Olmo2RotaryEmbedding: fp32 tables
     hidden = ag.ref(emb)
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin, mask, mlp_fn),
+        new = net.layer(i, hidden, lambda x, i=i: block(net, x, i, cos, sin, mask, mlp_fn, attn_fn),
                         layer_extras(m, mask, cos, sin, pos_ids))
         ag.release(hidden)
         hidden = new
-    normed = net.rmsnorm(hidden, "model.norm")
+    normed = norm_fn(net, hidden, "model.norm")
     ag.release(hidden)
     # *Model.forward returns: its locals die in co_varnames order. Llama / Mistral: position_ids,
     # inputs_embeds, causal_mask, position_embeddings. Qwen2 / Qwen3 keep the mask in causal_mask_mapping and

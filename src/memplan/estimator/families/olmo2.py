@@ -1,0 +1,164 @@
+"""OLMo 2 (transformers 5.17 modeling_olmo2.py): Llama's model with Olmo2Attention's q_norm / k_norm over the
+whole projection width (before the heads view) and Olmo2DecoderLayer's norms after attention and after the MLP
+(no input norm). Olmo2RMSNorm casts after the weight: ``(weight · x_normed).to(input_dtype)`` keeps an fp32
+product. Olmo2Model.forward is LlamaModel's (the same locals and layer keywords). Symbols as in blocks.py.
+"""
+
+from __future__ import annotations
+
+from .. import blocks as B
+from .. import blocks_attention as A
+from ..autograd import Tensor
+from ..transformer import Net, Output
+from . import llama
+
+
+def rmsnorm(net: Net, x: Tensor, name: str) -> Tensor:
+    """Olmo2RMSNorm.forward: h = x.to(fp32); var = h.pow(2).mean(-1, keepdim); h = h·rsqrt(var + eps);
+    return (weight · h).to(dtype): the product (fp32, weight promoted) is saved by nothing and dies with the
+    cast; the weight's grad, grad·h in fp32, is summed and cast to the weight's size (validate_outputs)."""
+    w = net.p[f"{name}.weight"]
+    return net.module(name, lambda z: _rmsnorm(net, z, w, name), x, params=(w,))
+
+
+def _rmsnorm(net: Net, x: Tensor, w: Tensor, name: str) -> Tensor:
+    ag, b = net.ag, net.s.b
+    n = x.nbytes // b
+    rows = n // max(1, w.nbytes // b)
+    h32 = B.to_dtype(ag, x, B.FP32 * n, f"{name}.fp32_input")
+    p = B.pow2(ag, h32, f"{name}.pow")
+    var = B.mean_last(ag, p, B.FP32 * rows, f"{name}.variance")
+    ag.release(p)
+    s = B.add_scalar(ag, var, f"{name}.plus_eps")
+    r = B.rsqrt(ag, s, f"{name}.rsqrt")
+    ag.release(s)
+    h2 = B.mul(ag, h32, r, B.FP32 * n, f"{name}.normed_fp32")
+    ag.release(r)
+    ag.release(h32)
+    cpu16 = net.device == "cpu" and b != B.FP32  # the CPU casts the 16-bit weight for a product (a temporary)
+    w32 = w.nbytes * B.FP32 // b
+
+    def backward(ctx, grad, node):  # MulBackward0: other's (h's) grad grad·weight, then self's grad·h, which
+        tmp = ctx.new(f"{name}.bw_weight_fp32", w32) if cpu16 else None  # validate_outputs sums to [h] (fp32)
+        gh = ctx.new(f"grad.{name}.normed_fp32", B.FP32 * n)  # then casts to the weight's dtype
+        if tmp is not None:
+            ctx.free(tmp)
+        if not w.requires_grad:
+            return (None, gh)
+        gw = ctx.new(f"grad.{name}.weight", B.FP32 * n)
+        gw.summed_bytes = w32
+        return (gw, gh)
+
+    promoted = ag.empty(f"{name}.weight_fp32", w32) if cpu16 and not ag.recompute_stops_at_next_op() else None
+    saved = tuple(t for t, other in ((h2, w), (w, h2)) if other.requires_grad)  # as blocks.mul
+    prod = ag.op(f"{name}.weighted_fp32", B.FP32 * n, (w, h2), saved, backward)
+    ag.release(promoted)
+    out = B.to_dtype(ag, prod, b * n, f"{name}.out")
+    ag.release(prod)
+    ag.release(h2)  # the function returns: hidden_states, then variance
+    ag.release(var)
+    return out
+
+
+def rope(net: Net, x: Tensor, cos: Tensor, sin: Tensor, name: str) -> Tensor:
+    """Olmo2's apply_rotary_pos_emb for one of q, k with fp32 cos / sin: (x·cos) + (rotate_half(x)·sin) in
+    fp32 (type promotion; the CPU casts the 16-bit operand to fp32 first, a temporary; CUDA casts while
+    loading), then .to(x's dtype). The products' x grads are cast back by the engine (validate_outputs)."""
+    ag, b = net.ag, net.s.b
+    wide = x.nbytes * B.FP32 // b
+    promote = net.device == "cpu" and b != B.FP32
+
+    def product(z: Tensor, table: Tensor, what: str) -> Tensor:
+        tmp = ag.empty(f"{name}.{what}.promoted", wide) if promote else None
+        out = B.mul(ag, z, table, wide, f"{name}.{what}")
+        ag.release(tmp)
+        return out
+
+    a = product(x, cos, "cos")
+    half = x.nbytes // 2
+    x1 = B.slice_view(ag, x, half, f"{name}.x1")
+    x2 = B.slice_view(ag, x, half, f"{name}.x2")
+    n2 = B.neg(ag, x2, f"{name}.neg")
+    rot = B.cat2(ag, n2, x1, f"{name}.rotated")
+    ag.release(n2)
+    ag.release(x1)
+    ag.release(x2)
+    c = product(rot, sin, "sin")
+    ag.release(rot)
+    total = B.add(ag, a, c, f"{name}.rope_fp32")
+    ag.release(a)
+    ag.release(c)
+    return total
+
+
+def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None
+              ) -> tuple[Tensor, Tensor | None]:
+    """Olmo2Attention.forward: q_norm(q_proj(x)), k_norm(k_proj(x)), v_proj(x), then the three heads views,
+    RoPE (rotate_half), the attention interface, o_proj; q, k, v die as it returns."""
+    ag, m = net.ag, net.m
+    pre = f"model.layers.{i}.self_attn"
+    g = llama.geometry(net)
+    dropout = m.attention_dropout
+    v_copies = A.grad_copies(net, g, mask is not None, dropout)[2]
+    flat = []
+    for which, width in (("q", m.q_dim), ("k", m.kv_dim), ("v", m.kv_dim)):
+        z = net.linear(x, f"{pre}.{which}_proj", width, m.attention_bias)
+        if which != "v":
+            normed = rmsnorm(net, z, f"{pre}.{which}_norm")
+            ag.release(z)
+            z = normed
+        flat.append(z)
+    # .view(hidden_shape).transpose(1, 2): q's and k's grads come back from RoPE contiguous (a copy), v's as
+    # the kernel returns it (blocks_attention.grad_copies)
+    qv, kv, vv = (B.heads_view(ag, z, copy_grad=w != "v" or v_copies) for w, z in zip("qkv", flat))
+    for z in flat:
+        ag.release(z)
+    q32 = rope(net, qv, cos, sin, f"{pre}.q")
+    k32 = rope(net, kv, cos, sin, f"{pre}.k")
+    qr = B.to_dtype(ag, q32, qv.nbytes, f"{pre}.q_embed")  # return q_embed.to(q_type), k_embed.to(k_type)
+    kr = B.to_dtype(ag, k32, kv.nbytes, f"{pre}.k_embed")
+    ag.release(q32)  # apply_rotary_pos_emb returns: q_embed, k_embed die
+    ag.release(k32)
+    ag.release(qv)  # query_states, key_states rebound
+    ag.release(kv)
+    if net.attention == "eager":
+        out, weights = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
+    else:
+        out, weights = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn"), None
+    o_in = ag.view(out)
+    ag.release(out)
+    y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
+    ag.release(o_in)
+    for z in (qr, kr, vv):
+        ag.release(z)
+    return y, weights
+
+
+def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None, mlp_fn=llama.mlp,
+          attn_fn=attention) -> Tensor:
+    """Olmo2DecoderLayer.forward: residual + post_attention_layernorm(attention(x)), then residual +
+    post_feedforward_layernorm(mlp(h))."""
+    ag = net.ag
+    pre = f"model.layers.{i}"
+    residual = ag.ref(x)
+    a, weights = attn_fn(net, x, i, cos, sin, mask)
+    h = rmsnorm(net, a, f"{pre}.post_attention_layernorm")
+    ag.release(a)
+    h2 = B.add(ag, residual, h, f"{pre}.attn_residual")
+    ag.release(h)
+    ag.release(residual)
+    residual = ag.ref(h2)
+    y = mlp_fn(net, h2, i)
+    ag.release(h2)
+    yn = rmsnorm(net, y, f"{pre}.post_feedforward_layernorm")
+    ag.release(y)
+    out = B.add(ag, residual, yn, f"{pre}.mlp_residual")
+    ag.release(yn)
+    ag.release(residual)
+    ag.release(weights)
+    return out
+
+
+def forward(net: Net) -> Output:
+    """Olmo2ForCausalLM.forward: LlamaForCausalLM's with OLMo 2's layer and final norm."""
+    return llama.forward(net, attn_fn=attention, block=layer, norm_fn=rmsnorm)
