@@ -69,6 +69,9 @@ TINY = {
                     "norm_topk_prob": True},
     "olmo2": {**_LLAMA, "model_type": "olmo2"},  # q/k norms over the whole width, norms after attention / MLP
     "olmo2_bias": {**_LLAMA, "model_type": "olmo2", "attention_bias": True, "num_key_value_heads": 4},
+    "phi3": {**_LLAMA, "model_type": "phi3", "pad_token_id": 0},  # fused qkv and gate_up, no window
+    "phi3_window": {**_LLAMA, "model_type": "phi3", "pad_token_id": 0, "sliding_window": 16,
+                    "partial_rotary_factor": 0.5},
     "deepseek_v3_plain": {**_LLAMA, "model_type": "deepseek_v3", "moe_intermediate_size": 24,
                           "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
                           "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 3, "num_experts_per_tok": 1,

@@ -121,9 +121,9 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
 
 def layer_extras(m, mask: Tensor | None, cos: Tensor, sin: Tensor, pos_ids: Tensor | None) -> tuple[Tensor, ...]:
     """The decoder layer's tensor keyword arguments as *Model.forward passes them (Llama and Qwen2/3:
-    attention_mask, position_embeddings, position_ids; Mistral and Mixtral: attention_mask, position_ids,
+    attention_mask, position_embeddings, position_ids; Mistral, Mixtral, Qwen3-MoE, Phi-3: attention_mask, position_ids,
     position_embeddings)."""
-    if m.family in ("mistral", "mixtral", "qwen3_moe"):
+    if m.family in ("mistral", "mixtral", "qwen3_moe", "phi3"):
         return frame_extras(mask, pos_ids, (cos, sin))
     return frame_extras(mask, (cos, sin), pos_ids)
 
@@ -141,7 +141,8 @@ def forward(net: Net, mlp_fn=mlp, attn_fn=attention, block=None, norm_fn=_rmsnor
     emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, w), params=(w,))
     pos_ids = positions(ag, s)
     mask = causal_mask(net)
-    cos, sin = rotary(ag, m, s, cast=m.family != "olmo2")  # Olmo2RotaryEmbedding: fp32 tables
+    # Olmo2RotaryEmbedding returns fp32 tables; Phi-3's cover head_dim · partial_rotary_factor (rotary_pct)
+    cos, sin = rotary(ag, m, s, int(m.head_dim * m.rotary_pct), cast=m.family != "olmo2")
     hidden = ag.ref(emb)
     for i in range(m.num_layers):
         new = net.layer(i, hidden, lambda x, i=i: block(net, x, i, cos, sin, mask, mlp_fn, attn_fn),
