@@ -366,6 +366,10 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
     assert call12 == sample_call.select(seed4, 120, 1, 1450, names4b)
     traces13 = [json.loads(x) for x in (SAMPLED.parent / "matrix13-traces.jsonl").read_text().splitlines()]
     assert [json.loads(x) for x in (SAMPLED / "call13.jsonl").read_text().splitlines()] == traces13 + call12
+    names4c = names4b | frozenset(json.loads(x)["name"] for x in
+                                  (SAMPLED.parent / "rows-sampled-seed4-h200-3.jsonl").read_text().splitlines())
+    call14 = [json.loads(x) for x in (SAMPLED / "call14.jsonl").read_text().splitlines()]
+    assert call14 == sample_call.select(seed4, 120, 1, 600, names4c) and len(call14) == 2
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
