@@ -33,8 +33,8 @@ def ledger_supported(job: Job) -> bool:
     t, lay, m = job.training, job.layout, job.model
     return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
-            and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None and not t.freeze
-            and t.dtype in ("bf16", "fp16") and _attention_modelled(m, t.attention)
+            and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None
+            and _attention_modelled(m, t.attention)
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
             and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers"
             and not m.output_router_logits)  # the MoE auxiliary loss (load_balancing_loss_func) is not ported

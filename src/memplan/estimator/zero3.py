@@ -161,6 +161,7 @@ class Zero3(Zero3Params):
         names = tuple(dict.fromkeys(t.param for t in params))
         tensors = {t.param: t for t in params}
         self.leaf_params.update(names)
+        self.leaf_modules.add(names)
 
         def reduce_leaf():
             for name in sorted(names, key=self.rank_of.__getitem__):

@@ -58,6 +58,7 @@ class Zero3Params(ModuleHooks):
         self.n_avail = 0
         self.complete = False
         self.trace_modules: list[tuple[str, ...]] = []  # params of each fetched module, in order
+        self.leaf_modules: set[tuple[str, ...]] = set()  # the params of each ZeRO-3 leaf module (Net.leaf)
         self.param_order: list[tuple[str, int]] = []
         self.queue: deque = deque()
         self.recent: dict[str, int] = {}
@@ -207,10 +208,14 @@ class Zero3Params(ModuleHooks):
             return
         keep = {p for p in params if self.persistent(p) or self.recent.get(p, -10**12) > self.step_id}
         traversed = 0
+        # iter_params(module, recurse=z3_leaf_module(submodule_to_release)): the recursion follows the module
+        # being released, so releasing an ordinary module walks a leaf module of the trace (a MoE block, whose
+        # parameters all sit in its router and experts) without its parameters: they count for nothing
+        leaf = params in self.leaf_modules
         for module in self.trace_modules[self.step_id:]:
             if traversed >= self.reuse:
                 break
-            for p in module:
+            for p in (module if leaf or module not in self.leaf_modules else ()):
                 keep.add(p)
                 traversed += self.numel[p]
         for p in params:
