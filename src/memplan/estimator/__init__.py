@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from ..result import Estimate, Part, Phase
 from ..specs import Job
+from ..units import dtype_bytes
 from .layout import rank_share
 from .overheads import non_torch_bytes, reserved_bytes
 from .phases import build_phases, model_states
@@ -34,29 +35,31 @@ def ledger_supported(job: Job) -> bool:
     return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None
-            and _attention_modelled(m, t.attention)
+            and _attention_modelled(m, t.attention, t.seq_len, dtype_bytes(t.dtype))
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
             and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers"
             and not m.output_router_logits)  # the MoE auxiliary loss (load_balancing_loss_func) is not ported
 
 
-def _attention_modelled(m, attention: str) -> bool:
+def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2) -> bool:
     """Attention the ledger models: transformers' eager path in every ported family (its ops are the same on
     every device; event for event against the CPU trace, tests/test_ledger_trace.py) and sdpa where the one
-    dispatch rule (blocks_attention.dispatch) picks cuDNN, or flash without a mask (the kernels' outputs and
-    workspaces as torch's source and the H200 traces give them, tests/test_attention_kernels.py). A sliding
-    window's mask goes to cuDNN where cuDNN takes the call: the H200 trace of a Mistral job
-    (trace-s1-049-mistral-7b-*) shows the converted mask saved, the philox seed and offset, cuDNN's backward
-    workspace, with k and v repeat_kv'd. Not yet: the memory-efficient kernel given a mask (head_dim > 128,
-    fp32) and the math fallback on CUDA, which no CUDA trace has checked."""
+    dispatch rule (blocks_attention.dispatch) picks cuDNN, or flash or the memory-efficient kernel without a
+    mask (the kernels' outputs and workspaces as torch's source and the H200 traces give them,
+    tests/test_attention_kernels.py; the memory-efficient one is what fp32 training runs). A sliding window's
+    mask goes to cuDNN where cuDNN takes the call: the H200 trace of a Mistral job (trace-s1-049-mistral-7b-*)
+    shows the converted mask saved, the philox seed and offset, cuDNN's backward workspace, with k and v
+    repeat_kv'd; a window no shorter than the sequence builds no mask (``seq``; ``b``: the dtype's bytes).
+    Not yet: the memory-efficient kernel given a mask (head_dim > 128, fp32) and the math fallback on CUDA,
+    which no CUDA trace has checked."""
     from .activations import sdpa_backend, sdpa_dispatch
 
     if attention == "eager":
         return True
-    if sdpa_backend(m, 2, attention) == "eager":  # BLOOM: transformers runs its own attention
+    if sdpa_backend(m, b, attention) == "eager":  # BLOOM: transformers runs its own attention
         return False
-    kernel, masked = sdpa_dispatch(m, 2, attention)
-    return kernel == "cudnn" or (kernel == "flash" and not masked)
+    kernel, masked = sdpa_dispatch(m, b, attention, seq)  # b: the dtype's bytes; a window >= seq: no mask
+    return kernel == "cudnn" or (kernel in ("flash", "efficient") and not masked)
 
 
 def _unmodelled_fp32_accumulation(job: Job) -> bool:

@@ -72,6 +72,13 @@ TINY = {
     "phi3": {**_LLAMA, "model_type": "phi3", "pad_token_id": 0},  # fused qkv and gate_up, no window
     "phi3_window": {**_LLAMA, "model_type": "phi3", "pad_token_id": 0, "sliding_window": 16,
                     "partial_rotary_factor": 0.5},
+    # sliding and full layers (window 16 <= S: masks), soft-capped scores and logits, query_pre_attn_scalar
+    "gemma2": {**_LLAMA, "model_type": "gemma2", "head_dim": 16, "pad_token_id": 0, "sliding_window": 16,
+               "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma2_long_window": {**_LLAMA, "model_type": "gemma2", "head_dim": 16, "pad_token_id": 0,
+                           "sliding_window": 4096, "query_pre_attn_scalar": 16},  # sdpa: no masks; eager: both
+    "gemma3": {**_LLAMA, "model_type": "gemma3_text", "head_dim": 16, "pad_token_id": 0, "sliding_window": 16,
+               "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"]},
     "deepseek_v3_plain": {**_LLAMA, "model_type": "deepseek_v3", "moe_intermediate_size": 24,
                           "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
                           "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 3, "num_experts_per_tok": 1,

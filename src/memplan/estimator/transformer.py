@@ -233,7 +233,7 @@ def packed_sequence_check(ag: Autograd, s: Shape) -> None:
         ag.release(t)
 
 
-def causal_mask(net: Net) -> Tensor | None:
+def causal_mask(net: Net, sliding: bool | None = None) -> Tensor | None:
     """create_causal_mask / create_sliding_window_causal_mask (masking_utils) after the packed-sequence check:
     what the attention implementation gets. sdpa and flash skip it (None: is_causal) unless a sliding window
     is not shorter than the sequence (_ignore_causal_mask_sdpa); then sdpa_mask builds a bool [1, 1, S, S]
@@ -242,7 +242,10 @@ def causal_mask(net: Net) -> Tensor | None:
     arange(S) + kv_offset (int64), freed as it returns; the mask function is kv <= q, and with a window
     and_masks(kv > q - window, kv <= q) (new_ones((), bool) & each, left to right)."""
     ag, m, s = net.ag, net.m, net.s
-    window = m.sliding_window if m.sliding_window is not None and s.attn_seq >= m.sliding_window else None
+    windowed = m.sliding_window is not None if sliding is None else sliding  # Gemma builds both kinds
+    # sdpa skips a window no shorter than the sequence (_ignore_causal_mask_sdpa); eager always builds it
+    window = (m.sliding_window if windowed and (net.attention == "eager" or s.attn_seq >= m.sliding_window)
+              else None)
     if net.attention != "eager" and window is None:
         return None
     S = s.attn_seq

@@ -12,13 +12,14 @@ initialize (``__init__``):
   temporary in the source dtype for GPU→host, in the destination dtype for host→GPU; none on the GPU).
 - initialize_optimizer_states: a zero fp32 buffer of the largest sub-group on ``self.device``, dropped at the end;
   under offload each sub-group's fp32 grad is its own host buffer (pinned when pin_memory), kept.
-- the IPG bucket (reduce_bucket_size elements, on the GPU), then grad_partitions_flat_buffer (the trainable
+- the IPG bucket (reduce_bucket_size elements, on the GPU; only with contiguous_gradients), then grad_partitions_flat_buffer (the trainable
   partitions in the grad-accumulation dtype) on ``self.device``: in pinned host memory under offload_optimizer.
 - create_reduce_and_remove_grad_hooks gathers each trainable parameter once (Init._allgather_params_sequential:
   an aligned buffer) and partitions it again.
 
 Backward: a parameter's grad is copied into the IPG bucket and freed (__add_grad_to_ipg_bucket; one that would
-overflow the bucket reduces it first, one larger than the bucket keeps its own grad). __reduce_and_partition_ipg_grads:
+overflow the bucket reduces it first, one larger than the bucket, or any without contiguous_gradients, keeps its
+own grad until the bucket is reduced). __reduce_and_partition_ipg_grads:
 the bucket's parameters sorted by ds_id, __avg_scatter_grads → reduce_scatter_coalesced (comm/coalesced_collectives.py:
 the grads flattened with each padded to N — no copy when a single grad divides evenly; cast to the communication
 dtype first and to the accumulation dtype after when those differ), then partition_grads copies (micro-step 0) or
@@ -76,6 +77,7 @@ class Zero3(Zero3Params):
         self.trainable = trainable
         self.trained = [k for k in names if k in trainable]
         self.rbs, self.sub_group = zero.reduce_bucket_size, zero.sub_group_size
+        self.contiguous = zero.contiguous_gradients  # the IPG buffer exists (stage3.py: if contiguous_gradients)
         self.offload_opt = zero.offload_optimizer != "none"
         self.nvme_opt = zero.offload_optimizer == "nvme"
         self.groups = sub_groups([self.part[k] for k in self.trained], self.sub_group)
@@ -131,7 +133,8 @@ class Zero3(Zero3Params):
             for n in self.groups:
                 P.host_zeros("zero3.fp32_grad_partition (host)", FP32 * n, self.pin_memory, "gradients")
         P.free_host(gbuf) if self.offload_opt else L.free(gbuf)
-        L.alloc("zero3.ipg_bucket", b * self.rbs, "grad_bucket")
+        if self.contiguous:
+            L.alloc("zero3.ipg_bucket", b * self.rbs, "grad_bucket")
         if self.offload_opt:
             P.host_zeros("zero3.grad_partitions_flat_buffer (host)", self.g * total, self.pin_memory, "gradients")
         else:
@@ -177,7 +180,7 @@ class Zero3(Zero3Params):
         numel = self.numel[name]
         if self.bucket_elements + numel > self.rbs and self.bucket_elements > 0:
             self.reduce_bucket(ag)
-        if self.bucket_elements + numel <= self.rbs:
+        if self.contiguous and self.bucket_elements + numel <= self.rbs:
             ag.release(grad)  # copied into the bucket; param.grad views it
             self.bucket_params.append((name, None))
         else:

@@ -78,12 +78,12 @@ def mlp(net: Net, x: Tensor, i: int) -> Tensor:
     return gated_mlp(net, x, f"model.layers.{i}.mlp", net.m.intermediate_size)
 
 
-def gated_mlp(net: Net, x: Tensor, pre: str, n: int) -> Tensor:
+def gated_mlp(net: Net, x: Tensor, pre: str, n: int, act=B.silu) -> Tensor:
     """LlamaMLP.forward of the module ``pre`` with intermediate width ``n`` (also DeepseekV3MLP, the shared
-    experts among them)."""
+    experts among them, and Gemma's MLP with ``act`` its gelu)."""
     ag, m, s = net.ag, net.m, net.s
     gate = net.linear(x, f"{pre}.gate_proj", n, m.mlp_bias)
-    act = B.silu(ag, gate, f"{pre}.act")
+    act = act(ag, gate, f"{pre}.act")
     ag.release(gate)
     up = net.linear(x, f"{pre}.up_proj", n, m.mlp_bias)
     prod = B.mul(ag, act, up, s.b * s.tokens * n, f"{pre}.act_up")
