@@ -148,9 +148,9 @@ def test_third_step_repeats_the_second(stage, ckpt, loop, micro, ga, seq, layers
     assert abs(two.peak_allocated_bytes - three.peak_allocated_bytes) <= 0.001 * three.peak_allocated_bytes
 
 
-def test_sliding_window_sdpa_is_modelled_where_cudnn_takes_the_mask():
-    """A sliding window's mask goes to cuDNN for 16-bit head_dim <= 128 (the ledger models it); where cuDNN
-    refuses (head_dim 256: the memory-efficient kernel, fp32: not cuDNN) the job stays on the phase lists."""
+def test_sliding_window_sdpa_is_modelled_with_the_kernel_that_takes_the_mask():
+    """A sliding window's mask goes to cuDNN for 16-bit head_dim <= 128; where cuDNN refuses (head_dim 256,
+    fp32) the memory-efficient kernel takes it: the ledger models both, and picks which one runs."""
     base = load_model("mistral-7b")
     assert base.sliding_window is not None
 
@@ -160,10 +160,13 @@ def test_sliding_window_sdpa_is_modelled_where_cudnn_takes_the_mask():
                                 zero=ZeroSpec(stage=2))
         return Job(model=model, training=training, layout=Layout(world=8, gpus_per_node=8))
 
-    assert ledger_supported(job())
-    assert ledger_supported(job("fp16"))
-    assert not ledger_supported(job(head_dim=256))
-    assert not ledger_supported(job("fp32"))
+    from memplan.estimator.activations import sdpa_dispatch
+
+    for j, kernel in ((job(), "cudnn"), (job("fp16"), "cudnn"), (job(head_dim=256), "efficient"),
+                      (job("fp32"), "efficient")):
+        assert ledger_supported(j)
+        b = 4 if j.training.dtype == "fp32" else 2
+        assert sdpa_dispatch(j.model, b, "sdpa", j.training.seq_len) == (kernel, True)
 
 
 def test_zero2_later_micro_steps_allocate_their_own_grads_in_partition():

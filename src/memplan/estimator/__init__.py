@@ -43,24 +43,24 @@ def ledger_supported(job: Job) -> bool:
 
 def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2) -> bool:
     """Attention the ledger models: transformers' eager path in every ported family (its ops are the same on
-    every device; event for event against the CPU trace, tests/test_ledger_trace.py) and sdpa where the one
-    dispatch rule (blocks_attention.dispatch) picks cuDNN, or flash or the memory-efficient kernel without a
-    mask (the kernels' outputs and workspaces as torch's source and the H200 traces give them,
-    tests/test_attention_kernels.py; the memory-efficient one is what fp32 training runs), and the math
-    fallback (composite aten ops, the same on every device: the CPU traces check it, with and without a mask;
-    fp32 grouped-query jobs run it). A sliding window's
-    mask goes to cuDNN where cuDNN takes the call: the H200 trace of a Mistral job (trace-s1-049-mistral-7b-*)
-    shows the converted mask saved, the philox seed and offset, cuDNN's backward workspace, with k and v
-    repeat_kv'd; a window no shorter than the sequence builds no mask (``seq``; ``b``: the dtype's bytes).
-    Not yet: the memory-efficient kernel given a mask (head_dim > 128, or fp32, with a sliding window)."""
+    every device; event for event against the CPU trace, tests/test_ledger_trace.py) and sdpa with whichever
+    kernel the one dispatch rule (blocks_attention.dispatch) picks: cuDNN, flash (never given a mask), the
+    memory-efficient kernel and the math fallback (the kernels' outputs and workspaces as torch's source and
+    the H200 traces give them, tests/test_attention_kernels.py; math is composite aten ops, which the CPU traces
+    check with and without masks). A sliding window's mask goes to cuDNN where cuDNN takes the call (the H200
+    trace of a Mistral job, trace-s1-049-mistral-7b-*, shows the converted mask saved, the philox seed and
+    offset, cuDNN's backward workspace, with k and v repeat_kv'd), else to the memory-efficient kernel
+    (head_dim 256, fp32: no trace, but the masked Gemma 2/3 and Phi-3 rows of the fit split agree to 0.1 %); a
+    window no shorter than the sequence builds no mask (``seq``; ``b``: the dtype's bytes). BLOOM's own
+    attention is eager whatever sdpa says."""
     from .activations import sdpa_backend, sdpa_dispatch
 
     if attention == "eager":
         return True
     if sdpa_backend(m, b, attention) == "eager":  # BLOOM: transformers runs its own attention
         return False
-    kernel, masked = sdpa_dispatch(m, b, attention, seq)  # b: the dtype's bytes; a window >= seq: no mask
-    return kernel in ("cudnn", "math") or (kernel in ("flash", "efficient") and not masked)
+    kernel, masked = sdpa_dispatch(m, b, attention, seq)
+    return kernel in ("cudnn", "math", "efficient") or (kernel == "flash" and not masked)
 
 
 def _unmodelled_fp32_accumulation(job: Job) -> bool:
