@@ -53,8 +53,8 @@ MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 20, "check": 20}
 #: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
 _RESERVED_LEDGER = ("the simulator's reserved is under the measured one on ZeRO-3 jobs with 1-2 GB gathered weights "
                     "and on several ZeRO-1/2 Qwen rows (fragmentation across streams not reproduced yet, issue 12)")
-_PHASES = ("jobs outside the ledger (Ulysses sp > 1, LoRA, pp, tp, Gemma's masked sdpa and the MoE auxiliary loss "
-           "not ported): the phase lists miss tensors there and do not simulate the allocator")
+_PHASES = ("jobs outside the ledger (Ulysses sp > 1, LoRA, pp, tp and the MoE auxiliary loss not ported): the "
+           "phase lists miss tensors there and do not simulate the allocator")
 _CHECK = ("the held-out split is judged, never studied: its median holds; its worst rows (not inspected, issue 13) "
           "are where the tuned rows are off too: LoRA and Ulysses sp > 1 on the phase lists, and the reserved figure")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
