@@ -72,7 +72,8 @@ def _rows() -> dict[str, dict]:
 TRACE_KINDS = {"memplan/verify/worker.py:train": "inputs", "deepspeed/runtime/engine.py:backward": "engine",
                "runtime/fp16/loss_scaler.py:scale_loss": "scale"}
 #: where the logits are allocated: the lm_head's nn.Linear, or DeepSpeed's ZeRO-3 linear function
-LOGITS_FRAMES = ("transformers/models/llama/modeling_llama.py:forward", "runtime/zero/linear.py:forward")
+LOGITS_FRAMES = ("transformers/models/llama/modeling_llama.py:forward", "runtime/zero/linear.py:forward",
+                 "transformers/models/deepseek_v3/modeling_deepseek_v3.py:forward")
 LEDGER_KINDS = {"loop.position_ids": "inputs", "loop.input_ids": "inputs", "engine.loss_over_gas": "engine",
                 "grad.root": "engine", "engine.scaled_loss": "scale", "lm_head": "logits"}
 
