@@ -229,9 +229,22 @@ def cat2(ag: Autograd, a: Tensor, c: Tensor, name: str) -> Tensor:
     return ag.op(name, a.nbytes + c.nbytes, (a, c), (), backward)
 
 
-def rotate_half_embed(ag: Autograd, x: Tensor, cos: Tensor, sin: Tensor, name: str) -> Tensor:
-    """apply_rotary_pos_emb for one of q, k: (x·cos) + (rotate_half(x)·sin), rotate_half = cat(−x2, x1)."""
-    a = mul(ag, x, cos, x.nbytes, f"{name}.cos")
+def rotate_half_embed(ag: Autograd, x: Tensor, cos: Tensor, sin: Tensor, name: str, wide_bytes: int | None = None,
+                      cast_first: bool = False) -> Tensor:
+    """apply_rotary_pos_emb for one of q, k: (x·cos) + (rotate_half(x)·sin), rotate_half = cat(−x2, x1).
+    ``wide_bytes``: the products' bytes when the tables are wider than x (Olmo2's fp32 tables: type promotion);
+    ``cast_first``: the CPU casts x (and rotate_half(x)) to the tables' dtype before each product, a temporary
+    (TensorIteratorBase::compute_types; CUDA casts while loading)."""
+    out_bytes = wide_bytes or x.nbytes
+
+    def product(z: Tensor, table: Tensor, what: str) -> Tensor:
+        tmp = ag.empty(f"{name}.{what}.promoted", out_bytes) if cast_first else None
+        out = mul(ag, z, table, out_bytes, f"{name}.{what}")
+        if tmp is not None:
+            ag.release(tmp)
+        return out
+
+    a = product(x, cos, "cos")
     half = x.nbytes // 2
     x1 = slice_view(ag, x, half, f"{name}.x1")
     x2 = slice_view(ag, x, half, f"{name}.x2")
@@ -240,7 +253,7 @@ def rotate_half_embed(ag: Autograd, x: Tensor, cos: Tensor, sin: Tensor, name: s
     ag.release(n2)
     ag.release(x1)
     ag.release(x2)
-    c = mul(ag, rot, sin, x.nbytes, f"{name}.sin")
+    c = product(rot, sin, "sin")
     ag.release(rot)
     out = add(ag, a, c, f"{name}.rope")
     ag.release(a)  # BINARY_OP drops its left operand first

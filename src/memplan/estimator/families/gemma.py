@@ -56,28 +56,12 @@ def _rmsnorm(net: Net, x: Tensor, w: Tensor, name: str) -> Tensor:
     w32 = B.to_dtype(ag, w, B.FP32 * wn, f"{name}.weight_fp32")
     plus = B.add_scalar(ag, w32, f"{name}.one_plus_weight")
     ag.release(w32)
-    out32 = B.mul(ag, normed, plus, B.FP32 * n, f"{name}.scaled_fp32")
-    if out32.node is not None and plus.requires_grad:  # (1 + w)'s grad is summed to [h] by validate_outputs
-        _sum_broadcast_grad(out32, plus)
+    out32 = B.mul(ag, normed, plus, B.FP32 * n, f"{name}.scaled_fp32")  # (1 + w)'s grad: summed to [h] fp32
     ag.release(plus)
     ag.release(normed)
     out = B.to_dtype(ag, out32, x.nbytes, f"{name}.out")
     ag.release(out32)
     return out
-
-
-def _sum_broadcast_grad(out: Tensor, small: Tensor) -> None:
-    """Mark the grad mul's backward hands ``small`` (a broadcast operand) as summed in its own dtype first."""
-    inner = out.node.backward
-
-    def backward(ctx, grad, node):
-        outs = inner(ctx, grad, node)
-        for inp, g in zip(node.inputs, outs):
-            if inp is small and g is not None:
-                g.summed_bytes = small.nbytes
-        return outs
-
-    out.node.backward = backward
 
 
 def _soft_cap(net: Net, x: Tensor, name: str) -> Tensor:

@@ -61,34 +61,12 @@ def _rmsnorm(net: Net, x: Tensor, w: Tensor, name: str) -> Tensor:
 
 
 def rope(net: Net, x: Tensor, cos: Tensor, sin: Tensor, name: str) -> Tensor:
-    """Olmo2's apply_rotary_pos_emb for one of q, k with fp32 cos / sin: (x·cos) + (rotate_half(x)·sin) in
-    fp32 (type promotion; the CPU casts the 16-bit operand to fp32 first, a temporary; CUDA casts while
-    loading), then .to(x's dtype). The products' x grads are cast back by the engine (validate_outputs)."""
-    ag, b = net.ag, net.s.b
-    wide = x.nbytes * B.FP32 // b
-    promote = net.device == "cpu" and b != B.FP32
-
-    def product(z: Tensor, table: Tensor, what: str) -> Tensor:
-        tmp = ag.empty(f"{name}.{what}.promoted", wide) if promote else None
-        out = B.mul(ag, z, table, wide, f"{name}.{what}")
-        ag.release(tmp)
-        return out
-
-    a = product(x, cos, "cos")
-    half = x.nbytes // 2
-    x1 = B.slice_view(ag, x, half, f"{name}.x1")
-    x2 = B.slice_view(ag, x, half, f"{name}.x2")
-    n2 = B.neg(ag, x2, f"{name}.neg")
-    rot = B.cat2(ag, n2, x1, f"{name}.rotated")
-    ag.release(n2)
-    ag.release(x1)
-    ag.release(x2)
-    c = product(rot, sin, "sin")
-    ag.release(rot)
-    total = B.add(ag, a, c, f"{name}.rope_fp32")
-    ag.release(a)
-    ag.release(c)
-    return total
+    """Olmo2's apply_rotary_pos_emb for one of q, k with fp32 cos / sin: blocks.rotate_half_embed with fp32
+    products (type promotion; the CPU casts the 16-bit operand first), to be cast back to x's dtype. The
+    products' x grads are cast back by the engine (validate_outputs)."""
+    b = net.s.b
+    return B.rotate_half_embed(net.ag, x, cos, sin, name, wide_bytes=x.nbytes * B.FP32 // b,
+                               cast_first=net.device == "cpu" and b != B.FP32)
 
 
 def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None
