@@ -261,6 +261,20 @@ def rotate_half_embed(ag: Autograd, x: Tensor, cos: Tensor, sin: Tensor, name: s
     return out
 
 
+def soft_cap(ag: Autograd, x: Tensor, name: str) -> Tensor:
+    """Gemma 2's soft-capping, ``x = x / cap; x = tanh(x); x = x * cap`` (attention scores, logits): each
+    rebinding drops the previous value, ``x``'s reference (the caller's) among them; TanhBackward0 saves its
+    result, the scalar ops nothing."""
+    q = scale(ag, x, f"{name}.div")
+    ag.release(x)
+    t = ag.op(f"{name}.tanh", x.nbytes, (q,), ("out",),
+              lambda ctx, grad, node: (ctx.new(f"grad.{name}.tanh", x.nbytes),))
+    ag.release(q)
+    out = scale(ag, t, f"{name}.mul")
+    ag.release(t)
+    return out
+
+
 def silu(ag: Autograd, x: Tensor, name: str) -> Tensor:
     """F.silu: saves its input; SiluBackward0 allocates one grad (silu_backward)."""
     return ag.op(name, x.nbytes, (x,), (x,), lambda ctx, grad, node: (ctx.new(f"grad.{name}", x.nbytes),))

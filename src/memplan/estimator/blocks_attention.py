@@ -175,11 +175,13 @@ def _transpose_contiguous(ag: Autograd, out: Tensor, bshd: bool, name: str) -> T
 
 
 def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Geometry, *, dropout: float,
-                    name: str, q_bshd: bool = True, k_bshd: bool = True, v_bshd: bool = True) -> Tensor:
+                    name: str, q_bshd: bool = True, k_bshd: bool = True, v_bshd: bool = True,
+                    softcap: bool = False) -> Tensor:
     """transformers eager_attention_forward: repeat_kv(k), repeat_kv(v); q @ k^T (torch.matmul: an operand
-    whose memory is [B, S, h, d] copies, a repeated one is contiguous), · scaling, + mask, softmax in fp32, .to(dtype),
-    dropout, @ v, transpose(1, 2).contiguous() (a copy). Returns the [B, S, nh, d] output and attn_weights
-    (the dropout's output, or the probabilities), which the caller holds until its own frame dies."""
+    whose memory is [B, S, h, d] copies, a repeated one is contiguous), · scaling, (Gemma 2's ``softcap``:
+    / cap, tanh, · cap), + mask, softmax in fp32, .to(dtype), dropout, @ v, transpose(1, 2).contiguous() (a
+    copy). Returns the [B, S, nh, d] output and attn_weights (the dropout's output, or the probabilities),
+    which the caller holds until its own frame dies."""
     ag = net.ag
     n_rep = g.heads // g.kv_heads
     kr = repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
@@ -188,6 +190,8 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
                       copy_c=_folds_copy(n_rep == 1 and k_bshd, g))
     scaled = B.scale(ag, scores, f"{name}.scaled")
     ag.release(scores)
+    if softcap:
+        scaled = B.soft_cap(ag, scaled, f"{name}.softcap")
     if mask is not None:
         masked = B.add(ag, scaled, mask, f"{name}.masked")
         ag.release(scaled)

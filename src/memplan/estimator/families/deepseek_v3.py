@@ -130,18 +130,9 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     ag.release(k_rot)
     query = B.cat2(ag, q_pass, q_rot2, f"{pre}.query_states")
     keys, values = _expand_kv(net, latent, k_rot2, i)
-    bshd = (False, False, True)  # q from cat, k from new_empty: contiguous; v a slice of kv_b_proj's view
-    if net.attention == "eager":
-        out, weights = A.eager_attention(net, query, keys, values, mask, g, dropout=m.attention_dropout,
-                                         name=f"{pre}.attn", q_bshd=False, k_bshd=False, v_bshd=True)
-    else:
-        out = A.sdpa_attention(net, query, keys, values, mask, g, dropout=m.attention_dropout,
-                               name=f"{pre}.attn", bshd=bshd)
-        weights = None
-    o_in = ag.view(out)  # attn_output.reshape(B, S, -1).contiguous(): already contiguous
-    ag.release(out)
-    y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_bias)
-    ag.release(o_in)
+    # q from cat, k from new_empty: contiguous; v a slice of kv_b_proj's view; o_proj's bias is attention_bias
+    y, weights = llama.attend(net, query, keys, values, mask, g, pre, bshd=(False, False, True),
+                              out_bias=m.attention_bias)
     for t in (qv, q_pass, q_rot2, ckv, latent, k_rot2, query, keys, values):
         ag.release(t)
     return y, weights

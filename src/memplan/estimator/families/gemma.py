@@ -64,53 +64,6 @@ def _rmsnorm(net: Net, x: Tensor, w: Tensor, name: str) -> Tensor:
     return out
 
 
-def _soft_cap(net: Net, x: Tensor, name: str) -> Tensor:
-    """x = x / cap; x = tanh(x) (TanhBackward0 saves its result); x = x · cap: each rebinding drops the
-    previous value, ``x``'s reference (the caller's) among them."""
-    ag = net.ag
-    q = B.scale(ag, x, f"{name}.div")
-    ag.release(x)
-    t = ag.op(f"{name}.tanh", x.nbytes, (q,), ("out",),
-              lambda ctx, grad, node: (ctx.new(f"grad.{name}.tanh", x.nbytes),))
-    ag.release(q)
-    out = B.scale(ag, t, f"{name}.mul")
-    ag.release(t)
-    return out
-
-
-def _eager_softcapped(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: A.Geometry, *,
-                      dropout: float, name: str) -> tuple[Tensor, Tensor]:
-    """Gemma 2's eager_attention_forward with soft-capping: repeat_kv, q·kᵀ·scaling, / cap, tanh, · cap,
-    + mask, softmax fp32, .to(dtype), dropout, · v, transpose(1, 2).contiguous()."""
-    ag = net.ag
-    n_rep = g.heads // g.kv_heads
-    kr = A.repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
-    vr = A.repeat_kv(ag, v, n_rep, f"{name}.v_repeated")
-    scores = B.matmul(ag, q, kr, g.scores(), f"{name}.scores", copy_a=A._folds_copy(True, g),
-                      copy_c=A._folds_copy(n_rep == 1, g))
-    scaled = B.scale(ag, scores, f"{name}.scaled")
-    ag.release(scores)
-    capped = _soft_cap(net, scaled, f"{name}.softcap")
-    if mask is not None:
-        masked = B.add(ag, capped, mask, f"{name}.masked")
-        ag.release(capped)
-        capped = masked
-    probs32 = B.softmax(ag, capped, g.scores(B.FP32), f"{name}.softmax", half_to_float=A._half_to_float(net, g),
-                        device=net.device)
-    probs = B.to_dtype(ag, probs32, g.scores(), f"{name}.probs")
-    ag.release(probs32)
-    ag.release(capped)
-    dropped = B.dropout(ag, probs, dropout, g.b, f"{name}.dropout", net.device)
-    ag.release(probs)
-    out = B.matmul(ag, dropped, vr, g.v_bytes(), f"{name}.out", copy_c=A._folds_copy(n_rep == 1, g),
-                   grad_copy=A._folds_copy(True, g))
-    o = B.clone(ag, out, f"{name}.out_contiguous")
-    ag.release(out)
-    for t in (kr, vr):
-        ag.release(t)
-    return o, dropped
-
-
 def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None
               ) -> tuple[Tensor, Tensor | None]:
     """Gemma*Attention.forward: q/k/v projections viewed as heads (Gemma 3: q_norm, k_norm on them), RoPE,
@@ -138,16 +91,7 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     kr = B.rotate_half_embed(ag, kv, cos, sin, f"{pre}.k")
     ag.release(qv)
     ag.release(kv)
-    if net.attention == "eager" and m.attn_logit_softcapping is not None:
-        out, weights = _eager_softcapped(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
-    elif net.attention == "eager":
-        out, weights = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
-    else:
-        out, weights = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn"), None
-    o_in = ag.view(out)
-    ag.release(out)
-    y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
-    ag.release(o_in)
+    y, weights = llama.attend(net, qr, kr, vv, mask, g, pre, softcap=m.attn_logit_softcapping is not None)
     for z in (qr, kr, vv):
         ag.release(z)
     return y, weights
@@ -235,7 +179,7 @@ def forward(net: Net) -> Output:
     logits = net.linear(head_in, "lm_head", m.vocab_size)
     ag.release(head_in)
     if m.final_logit_softcapping is not None:
-        logits = _soft_cap(net, logits, "lm_head.softcap")
+        logits = B.soft_cap(ag, logits, "lm_head.softcap")
     logits_comp(ag, logits)
     loss = causal_lm_loss(ag, m, s, logits)
     return Output(loss, logits)

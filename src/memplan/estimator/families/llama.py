@@ -60,16 +60,31 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     kr = B.rotate_half_embed(ag, kv, cos, sin, f"{pre}.k")
     ag.release(qv)
     ag.release(kv)
-    if net.attention == "eager":
-        out, weights = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
-    else:
-        out, weights = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn"), None
-    o_in = ag.view(out)  # attn_output.reshape(*input_shape, -1).contiguous(): already [B, S, nh·d]
-    ag.release(out)
-    y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
-    ag.release(o_in)  # attn_output rebound to o_proj's output
+    y, weights = attend(net, qr, kr, vv, mask, g, pre)
     for z in (qr, kr, vv):  # the function returns: query/key/value_states die
         ag.release(z)
+    return y, weights
+
+
+def attend(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: A.Geometry, pre: str,
+           bshd: tuple[bool, bool, bool] = (True, True, True), softcap: bool = False,
+           out_bias: bool | None = None) -> tuple[Tensor, Tensor | None]:
+    """The attention interface on the heads q, k, v (eager or sdpa; ``bshd``: their memory layouts;
+    ``softcap``: Gemma 2's eager soft-capping), then ``attn_output.reshape(*input_shape, -1).contiguous()``
+    (already [B, S, nh·d]: a view) and o_proj (``out_bias``: its bias, default attention_out_bias). Every
+    family's attention ends so. Returns the projection and attn_weights (eager's; None for sdpa); q, k, v
+    stay the caller's."""
+    ag, m = net.ag, net.m
+    dropout = m.attention_dropout
+    if net.attention == "eager":
+        out, weights = A.eager_attention(net, q, k, v, mask, g, dropout=dropout, name=f"{pre}.attn",
+                                         q_bshd=bshd[0], k_bshd=bshd[1], v_bshd=bshd[2], softcap=softcap)
+    else:
+        out, weights = A.sdpa_attention(net, q, k, v, mask, g, dropout=dropout, name=f"{pre}.attn", bshd=bshd), None
+    o_in = ag.view(out)
+    ag.release(out)
+    y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias if out_bias is None else out_bias)
+    ag.release(o_in)  # attn_output rebound to o_proj's output
     return y, weights
 
 

@@ -99,14 +99,7 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     ag.release(k32)
     ag.release(qv)  # query_states, key_states rebound
     ag.release(kv)
-    if net.attention == "eager":
-        out, weights = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn")
-    else:
-        out, weights = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn"), None
-    o_in = ag.view(out)
-    ag.release(out)
-    y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
-    ag.release(o_in)
+    y, weights = llama.attend(net, qr, kr, vv, mask, g, pre)
     for z in (qr, kr, vv):
         ag.release(z)
     return y, weights

@@ -64,16 +64,7 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     kr = _rope(net, k_rot, k_pass, cos, sin, f"{pre}.k")
     for z in (q_rot, q_pass, k_rot, k_pass, qv, kv):  # apply_rotary_pos_emb returns; the states rebound
         ag.release(z)
-    if net.attention == "eager":
-        out, weights = A.eager_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn",
-                                         q_bshd=False, k_bshd=False)
-    else:
-        out, weights = A.sdpa_attention(net, qr, kr, vv, mask, g, dropout=dropout, name=f"{pre}.attn",
-                                        bshd=(False, False, True)), None
-    o_in = ag.view(out)
-    ag.release(out)
-    y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias)
-    ag.release(o_in)
+    y, weights = llama.attend(net, qr, kr, vv, mask, g, pre, bshd=(False, False, True))  # q, k from cat
     for z in (qkv, qr, kr, vv):
         ag.release(z)
     return y, weights
