@@ -109,29 +109,7 @@ def mlp(net: Net, x: Tensor, i: int) -> Tensor:
 
 def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
     """Gemma*DecoderLayer.forward: the sandwich norms around attention and the MLP."""
-    ag = net.ag
-    pre = f"model.layers.{i}"
-    residual = ag.ref(x)
-    h = rmsnorm(net, x, f"{pre}.input_layernorm")
-    a, weights = attention(net, h, i, cos, sin, mask)
-    ag.release(h)
-    h = rmsnorm(net, a, f"{pre}.post_attention_layernorm")
-    ag.release(a)
-    h2 = B.add(ag, residual, h, f"{pre}.attn_residual")
-    ag.release(h)
-    ag.release(residual)
-    residual = ag.ref(h2)
-    f = rmsnorm(net, h2, f"{pre}.pre_feedforward_layernorm")
-    ag.release(h2)
-    y = mlp(net, f, i)
-    ag.release(f)
-    yn = rmsnorm(net, y, f"{pre}.post_feedforward_layernorm")
-    ag.release(y)
-    out = B.add(ag, residual, yn, f"{pre}.mlp_residual")
-    ag.release(yn)
-    ag.release(residual)
-    ag.release(weights)
-    return out
+    return llama.post_norm_layer(net, x, i, cos, sin, mask, rmsnorm, mlp, attention, pre_norms=True)
 
 
 def forward(net: Net) -> Output:

@@ -134,6 +134,38 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
     return out
 
 
+def post_norm_layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None, norm, mlp_fn,
+                    attn_fn, pre_norms: bool) -> Tensor:
+    """Decoder layers that norm each sublayer's output before its residual add (``norm(net, x, name)``, the
+    family's RMSNorm module): Olmo2DecoderLayer (post_attention_layernorm, post_feedforward_layernorm) and
+    Gemma*DecoderLayer (``pre_norms``: input_layernorm and pre_feedforward_layernorm too, the sandwich)."""
+    ag = net.ag
+    pre = f"model.layers.{i}"
+    residual = ag.ref(x)
+    h = norm(net, x, f"{pre}.input_layernorm") if pre_norms else x
+    a, weights = attn_fn(net, h, i, cos, sin, mask)
+    if pre_norms:
+        ag.release(h)
+    h = norm(net, a, f"{pre}.post_attention_layernorm")
+    ag.release(a)
+    h2 = B.add(ag, residual, h, f"{pre}.attn_residual")
+    ag.release(h)
+    ag.release(residual)
+    residual = ag.ref(h2)
+    f = norm(net, h2, f"{pre}.pre_feedforward_layernorm") if pre_norms else h2
+    if pre_norms:
+        ag.release(h2)
+    y = mlp_fn(net, f, i)
+    ag.release(f)
+    yn = norm(net, y, f"{pre}.post_feedforward_layernorm")
+    ag.release(y)
+    out = B.add(ag, residual, yn, f"{pre}.mlp_residual")
+    ag.release(yn)
+    ag.release(residual)
+    ag.release(weights)
+    return out
+
+
 def layer_extras(m, mask: Tensor | None, cos: Tensor, sin: Tensor, pos_ids: Tensor | None) -> tuple[Tensor, ...]:
     """The decoder layer's tensor keyword arguments as *Model.forward passes them (Llama and Qwen2/3:
     attention_mask, position_embeddings, position_ids; Mistral, Mixtral, Qwen3-MoE, Phi-3: attention_mask, position_ids,

@@ -109,25 +109,7 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
           attn_fn=attention) -> Tensor:
     """Olmo2DecoderLayer.forward: residual + post_attention_layernorm(attention(x)), then residual +
     post_feedforward_layernorm(mlp(h))."""
-    ag = net.ag
-    pre = f"model.layers.{i}"
-    residual = ag.ref(x)
-    a, weights = attn_fn(net, x, i, cos, sin, mask)
-    h = rmsnorm(net, a, f"{pre}.post_attention_layernorm")
-    ag.release(a)
-    h2 = B.add(ag, residual, h, f"{pre}.attn_residual")
-    ag.release(h)
-    ag.release(residual)
-    residual = ag.ref(h2)
-    y = mlp_fn(net, h2, i)
-    ag.release(h2)
-    yn = rmsnorm(net, y, f"{pre}.post_feedforward_layernorm")
-    ag.release(y)
-    out = B.add(ag, residual, yn, f"{pre}.mlp_residual")
-    ag.release(yn)
-    ag.release(residual)
-    ag.release(weights)
-    return out
+    return llama.post_norm_layer(net, x, i, cos, sin, mask, rmsnorm, mlp_fn, attn_fn, pre_norms=False)
 
 
 def forward(net: Net) -> Output:
