@@ -149,3 +149,52 @@ def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, checkp
     first = model_check.first_mismatch(real, predicted)
     assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+
+
+#: peft LoRA on the tiny models (issue 14): (TINY config, batch, seq, dtype, attention, checkpointing, targets, rank,
+#: dropout, adapter dtype). fp32 adapters are peft's autocast_adapter_dtype (kept under ZeRO-3); adapters in the
+#: training dtype are what DeepSpeed's cast leaves at ZeRO 0-2. Checkpointing adds enable_input_require_grads.
+LORA_CASES = [
+    ("llama_gqa", 2, 32, "bf16", "sdpa", False, ("q_proj", "v_proj"), 8, 0.0, "fp32"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa", False, ("all-linear",), 8, 0.0, "fp32"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa", False, ("q_proj", "v_proj"), 8, 0.1, "fp32"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa", False, ("all-linear",), 4, 0.1, "bf16"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa", True, ("all-linear",), 8, 0.0, "fp32"),
+    ("llama_gqa", 2, 32, "bf16", "sdpa", True, ("q_proj", "v_proj"), 8, 0.1, "bf16"),
+    ("llama_gqa", 2, 32, "bf16", "eager", False, ("q_proj", "v_proj"), 8, 0.0, "bf16"),
+    ("llama_tied", 2, 32, "bf16", "sdpa", False, ("all-linear",), 8, 0.0, "bf16"),
+    ("qwen3", 2, 32, "bf16", "sdpa", False, ("all-linear",), 8, 0.05, "fp32"),
+    ("mixtral", 2, 32, "bf16", "sdpa", False, ("q_proj", "v_proj"), 8, 0.0, "fp32"),
+    ("gpt2", 2, 32, "bf16", "sdpa", False, ("c_attn",), 8, 0.1, "fp32"),
+    ("gpt_neox", 2, 32, "bf16", "sdpa", False, ("query_key_value",), 8, 0.0, "bf16"),
+    ("phi3", 2, 32, "bf16", "sdpa", True, ("qkv_proj",), 8, 0.1, "fp32"),
+    ("olmo2", 2, 32, "bf16", "sdpa", True, ("q_proj", "v_proj"), 8, 0.1, "fp32"),
+    ("gemma2", 2, 32, "bf16", "eager", False, ("all-linear",), 8, 0.0, "bf16"),
+    ("deepseek_v3", 2, 32, "bf16", "sdpa", True, ("q_a_proj", "kv_b_proj", "o_proj"), 8, 0.0, "bf16"),
+]
+
+
+@pytest.mark.parametrize(("tiny", "batch", "seq", "dtype", "attention", "checkpointing", "targets", "rank", "dropout",
+                          "adapter_dtype"), LORA_CASES)
+def test_lora_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, checkpointing, targets, rank, dropout,
+                                           adapter_dtype):
+    """peft's lora.Linear (estimator/peft_linear.py) on a frozen base, event for event: the cast input, dropout,
+    lora_A / lora_B, the scaled sum and its cast back; the frozen linears' saved weights; the head's input kept
+    until the forward returns; with checkpointing, the embedding output as a leaf with its .grad."""
+    peft = pytest.importorskip("peft")
+    from memplan.specs import LoraSpec
+
+    cfg = model_check.TINY[tiny]
+    model = cputrace.tiny_causal_lm(cfg, dtype, attention)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = peft.LoraConfig(r=rank, lora_alpha=16, lora_dropout=dropout, task_type="CAUSAL_LM",
+                             target_modules="all-linear" if targets == ("all-linear",) else list(targets))
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype == "fp32")
+    real = cputrace.net_events(cputrace.record(cputrace.micro_step(model, batch, seq, cfg["vocab_size"])))
+    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
+                                         checkpointing=checkpointing, adapter_dtype=adapter_dtype,
+                                         lora=LoraSpec(rank=rank, targets=targets, dropout=dropout))
+    first = model_check.first_mismatch(real, predicted)
+    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
+                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")

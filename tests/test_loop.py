@@ -134,7 +134,7 @@ def test_the_loop_leaves_only_what_its_code_keeps(loop, micro, seq, ga, steps, w
 @pytest.mark.parametrize("preset", ["gemma-2-2b", "phi-3-mini", "olmo-2-1b"])
 def test_phase_lists_outputs_minus_loss_is_the_output_object(preset):
     """issue 11 on the jobs the phase lists predict (the ledger's own is test_ledger_program; these families'
-    full training is on the ledger, a LoRA job on them is not): keeping the output object adds its logits [T, V]
+    full training and plain LoRA are on the ledger, a DoRA job is not): keeping the output object adds its logits [T, V]
     in the training dtype at every moment of the step, so at the peak."""
     from memplan.api import estimate
     from memplan.estimator import ledger_supported
@@ -144,7 +144,7 @@ def test_phase_lists_outputs_minus_loss_is_the_output_object(preset):
     model = load_model(preset)
 
     def job(loop):
-        lora = LoraSpec(rank=8, targets=("all-linear",))
+        lora = LoraSpec(rank=8, targets=("all-linear",), use_dora=True)
         return Job(model=model, training=TrainingSpec(seq_len=1024, micro_batch=2, loop=loop, zero=ZeroSpec(stage=2),
                                                       lora=lora), layout=Layout(world=8))
 

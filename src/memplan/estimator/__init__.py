@@ -34,11 +34,22 @@ def ledger_supported(job: Job) -> bool:
     t, lay, m = job.training, job.layout, job.model
     return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
-            and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and t.lora is None
+            and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and _adapter_modelled(job)
             and _attention_modelled(m, t.attention, t.seq_len, dtype_bytes(t.dtype))
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
             and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers"
             and not m.output_router_logits)  # the MoE auxiliary loss (load_balancing_loss_func) is not ported
+
+
+def _adapter_modelled(job: Job) -> bool:
+    """No adapter, or LoRA on linears as the ledger runs it (estimator/peft_linear.py: bias "none", no
+    modules_to_save, no DoRA), and nothing peft adapts through lora.ParamWrapper (MoE routers and fused
+    experts: peftconfig.parameter_wrapper_targets)."""
+    from ..peftconfig import parameter_wrapper_targets
+    from .peft_linear import ledger_models
+
+    lora = job.training.lora
+    return lora is None or (ledger_models(lora) and not parameter_wrapper_targets(job.model.family, lora.targets))
 
 
 def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2) -> bool:

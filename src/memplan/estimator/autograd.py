@@ -86,9 +86,14 @@ class Autograd:
         #: parameters a live node saved through a view (blocks_moe.grouped_mm: ``weight.transpose(-2, -1)``):
         #: the view keeps the gathered storage when ZeRO-3 swaps param.data for its partition
         self.saved_param_views: set[str] = set()
+        #: called with a frozen parameter's name when a node releases it from its saved tensors (ZeRO-3: the
+        #: gathered storage a checkpoint's recompute kept for it goes then; a trained one's goes at its grad)
+        self.on_saved_param_release: Callable[[str], None] | None = None
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
         self._param_buffers: dict[int, Tensor] = {}  # id(parameter) → gradient waiting for its AccumulateGrad
         self._param_uses: dict[int, int] = {}  # id(parameter) → edges into its AccumulateGrad not yet run
+        self._leaves: list[list] = []  # [leaf, its .grad] of input leaves (input_leaf) of the current graph
+        self._held: list[list] = []  # the same of graphs already handed out (take_leaves), until released
 
     # -- storage ----------------------------------------------------------------------------------------
     def empty(self, name: str, nbytes: int, requires_grad: bool = False, component: str | None = None,
@@ -120,6 +125,29 @@ class Autograd:
             self.ledger.free(st.tid)
         elif st.refs < 0:
             raise AssertionError(f"released {t.name} more often than referenced")
+
+    def input_leaf(self, t: Tensor) -> None:
+        """``t.requires_grad_(True)`` on a tensor no gradient flows into (transformers' enable_input_require_grads
+        on the input embeddings' output): a leaf whose AccumulateGrad holds it (the graph owns a reference) and
+        keeps the gradient that reaches it as ``.grad``; both die with the graph (take_leaves)."""
+        t.requires_grad = True
+        self.ref(t)
+        self._leaves.append([t, None])
+
+    def take_leaves(self) -> list[list]:
+        """The current graph's input leaves, handed to whoever holds the graph (the loop's output object)."""
+        out, self._leaves = self._leaves, []
+        self._held.extend(out)
+        return out
+
+    def release_leaves(self, leaves: list[list]) -> None:
+        """The graph dies: each leaf's .grad (its AutogradMeta goes first in TensorImpl::release_resources),
+        then the leaf."""
+        for entry in leaves:
+            self.release(entry[1])
+            self.release(entry[0])
+            self._held = [e for e in self._held if e is not entry]
+        leaves.clear()
 
     def view(self, t: Tensor, name: str | None = None, nbytes: int | None = None, node_from: Tensor | None = None
              ) -> Tensor:
@@ -224,10 +252,14 @@ class Autograd:
                 node.region.recompute()
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
+            if isinstance(outs, tuple):  # a kernel's grad for an input that needs none (sdpa computes q, k
+                # and v's together) dies with its result tuple inside apply, before the unpacked saved variables
+                outs = self._drop_unneeded(node, outs, grad)
             held = bool(node.saved)
             if node.unpacked:  # apply's unpacked locals die (last unpacked first) before its argument list
                 for t in node.saved[::-1]:
                     self.release(t)
+                    self._saved_param_released(t)
                 node.saved = ()
             if outs is not grad:
                 outs = self._validate_outputs(node, outs, grad)
@@ -235,10 +267,12 @@ class Autograd:
                 for g in grad:
                     if g is not None and not any(o is g for o in outs):
                         self.release(g)
-            elif outs is grad:  # passthrough of the incoming gradient object
-                outs = (grad,) * len(node.inputs)
-                for _ in range(len(node.inputs) - 1):
-                    self.ref(grad)
+            elif outs is grad:  # passthrough of the incoming gradient object (validate_outputs casts it for an
+                # input of a narrower dtype: the bf16 operand of a bf16 + fp32 add)
+                outs = tuple(self.empty(f"{grad.name}.reduced", inp.nbytes, component="activations")
+                             if inp is not None and inp.requires_grad and grad.nbytes > inp.nbytes
+                             else self.ref(grad) for inp in node.inputs)
+                self.release(grad)
             elif not any(o is grad for o in outs):
                 self.release(grad)  # apply's argument list dies with the call
             self._release_saved(node)  # release_variables: the checkpoint's holders go here
@@ -256,6 +290,16 @@ class Autograd:
                 else:
                     self._push(inp, g)
         self.nodes[stop + 1:start + 1] = []
+
+    def _drop_unneeded(self, node: Node, outs: tuple, grad) -> tuple:
+        """``outs`` with the fresh grads of inputs that do not require grad released (None in their place)."""
+        kept = []
+        for inp, g in zip(node.inputs, outs):
+            if g is not None and g is not grad and inp is not None and not inp.requires_grad:
+                self.release(g)
+                g = None
+            kept.append(g)
+        return tuple(kept) + tuple(outs[len(node.inputs):])
 
     def _validate_outputs(self, node: Node, outs: tuple, grad) -> tuple:
         """engine.cpp validate_outputs, after apply, in input order: a grad larger than its input is brought to
@@ -279,17 +323,27 @@ class Autograd:
             fixed.append(g)
         return tuple(fixed)
 
+    def _saved_param_released(self, t: Tensor) -> None:
+        if t.param is not None and not t.requires_grad and self.on_saved_param_release is not None:
+            self.on_saved_param_release(t.param)
+
     def _release_saved(self, node: Node) -> None:
         had = bool(node.saved)
         for s in node.saved:
             self.release(s)
+            self._saved_param_released(s)
         node.saved = ()
         if had and node.region is not None and node.region.done:
             node.region.released()
 
     def _push(self, t: Tensor, grad: Tensor) -> None:
-        """Add ``grad`` to the input buffer of ``t``'s grad_fn (InputBuffer::add)."""
+        """Add ``grad`` to the input buffer of ``t``'s grad_fn (InputBuffer::add); an input leaf's AccumulateGrad
+        steals it as .grad."""
         if t.node is None:
+            for entry in self._leaves + self._held:
+                if entry[0] is t and entry[1] is None:
+                    entry[1] = grad
+                    return
             self.release(grad)
             return
         key = id(t.node)

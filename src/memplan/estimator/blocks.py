@@ -17,7 +17,7 @@ FP32 = 4
 
 
 def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None,
-           transposed: bool = True) -> Tensor:
+           transposed: bool = True, keeps_input: bool = False) -> Tensor:
     """nn.Linear on [.., in] → [.., out] (F.linear: mm, or addmm with a bias, on the 2-D view). Saves the
     input (and the weight, a parameter). torchgen emits a node's formulas in the sorted order of the input
     names (load_derivatives.py: sorted(defn.keys())): MmBackward0 (self, mat2) computes the weight's grad
@@ -26,7 +26,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     by the engine's validate_outputs). ``transposed``: F.linear multiplies by weight.t() (TBackward0 hands
     the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not, nor does ZeRO-3's
     LinearFunctionForZeroStage3, which returns a plain weight grad (a tied weight's two grads then sum in
-    place, InputBuffer::accumulate)."""
+    place, InputBuffer::accumulate). ``keeps_input``: the input is saved whether or not the weight trains
+    (LinearFunctionForZeroStage3.setup_context saves input, weight and bias: lora.zero3_linear_uses_saved_input)."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
 
     def backward(ctx: _Ctx, grad: Tensor, node):
@@ -44,7 +45,10 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
         return (i, w, grad if bias.requires_grad else None)  # summed to [out] by the engine
 
     inputs = (x, weight, bias) if bias is not None else (x, weight)
-    saved = (x,) if weight.requires_grad else ()
+    # mm's formulas (derivatives.yaml): the input saved for the weight's grad, the weight (a view of the
+    # parameter: no bytes, but a saved tensor a checkpoint's recompute is triggered by) for the input's
+    saved = ((x,) if weight.requires_grad or keeps_input else ()) + ((weight,) if x.requires_grad or keeps_input
+                                                                    else ())
     if ag.before_matmul is not None:  # the first cuBLAS call creates its handle's workspaces
         hook, ag.before_matmul = ag.before_matmul, None
         hook()

@@ -92,6 +92,7 @@ class DeepSpeedLoop(Loop):
                 if kept is not None:  # the name is rebound: the old object's loss, then its logits die
                     ag.release(kept.loss)
                     ag.release(kept.logits)
+                    ag.release_leaves(kept.leaves)  # with them the graph
                 if keep_outputs:
                     kept = out
                     ag.ref(out.loss)  # ``loss = outputs.loss``
@@ -101,6 +102,8 @@ class DeepSpeedLoop(Loop):
                 boundary = m == self.ga - 1
                 self.engine_backward(out.loss, engine, boundary, scale_wrt_gas=True)
                 ag.release(out.loss)  # del loss
+                if not keep_outputs:
+                    ag.release_leaves(out.leaves)  # the graph dies with the loss
                 L.mark(f"step{s}.micro{m}.step")
                 step(s, boundary)
                 ag.release(ids)  # del ids
@@ -164,6 +167,7 @@ class TrainerLoop(Loop):
                 L.mark(f"step{s}.micro{m}.backward")
                 boundary = m == self.ga - 1
                 self.engine_backward(loss, engine, boundary, scale_wrt_gas=False)
+                ag.release_leaves(out.leaves)  # training_step returns loss.detach(): the graph dies
                 if boundary:
                     L.mark(f"step{s}.micro{m}.step")
                     step(s, boundary)

@@ -26,6 +26,7 @@ from .autograd import Autograd
 from .bf16opt import BF16Optimizer
 from .families import forward as forward_of
 from .optim import Optimizer
+from .peft_linear import adapter_tensors, build_adapters, cast_adapters
 from .places import Places
 from .states import picks_bf16_optimizer
 from .transformer import Net, Params, Shape
@@ -38,13 +39,18 @@ CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 
 def _trainable(job: Job):
-    """Whether a parameter name trains (frozen groups and LoRA bases do not)."""
-    from ..params import frozen_names
+    """Whether a parameter name trains (frozen groups and LoRA bases do not; LoRA's adapters do)."""
+    from .lora import job_train_set
 
-    frozen = frozen_names(job.model, job.training.freeze) if job.training.freeze else frozenset()
-    if job.training.lora is not None:
-        return lambda name: False
-    return lambda name: name not in frozen
+    trains = {t.name: tr for t, tr in job_train_set(job.training, job.model).tensors}
+    return lambda name: trains.get(name, False)
+
+
+def _adapter_bytes(job: Job) -> int:
+    """Bytes per element of the adapter weights once deepspeed.initialize has run (lora.adapter_dtype_bytes)."""
+    from .lora import adapter_dtype_bytes
+
+    return adapter_dtype_bytes(job.training)
 
 
 def build_model(L: Ledger, job: Job) -> dict[str, int]:
@@ -61,12 +67,16 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
 
 
 def _engine(L: Ledger, job: Job, trainable, places: Places):
-    from ..params import parameter_tensors
+    from .peft_linear import adapter_tensors
 
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
-    names = [p.name for p in parameter_tensors(job.model) if trainable(p.name)]
-    numels = [p.numel for p in parameter_tensors(job.model) if trainable(p.name)]
+    # named_parameters() order: each adapter after its base layer's weight (lora.train_set)
+    from .lora import job_train_set
+
+    every = [(p.name, p.numel) for p, _ in job_train_set(t, job.model).tensors]
+    names = [k for k, _ in every if trainable(k)]
+    numels = [n for k, n in every if trainable(k)]
     opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
@@ -77,12 +87,15 @@ def _engine(L: Ledger, job: Job, trainable, places: Places):
         comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
         return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap, t.grad_accum, opt, comm,
                       offload=z.offload_optimizer != "none")
-    g = dtype_bytes(t.grad_accum_dtype or t.dtype)
-    comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
-    all_names = [p.name for p in parameter_tensors(job.model)]
-    all_numels = [p.numel for p in parameter_tensors(job.model)]
-    return Zero3(places, all_names, all_numels, set(names), lay.zero_group, b, g, z, opt, comm, t.grad_accum,
-                 t.dtype == "fp16")
+    comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b  # the engine's communication_data_type
+    all_names = [k for k, _ in every]
+    all_numels = [n for _, n in every]
+    # the trainable parameters' dtype (stage3.py: self.dtype, the first group's): fp32 adapters under zero.Init
+    tb = _adapter_bytes(job) if adapter_tensors(job) else b
+    g = dtype_bytes(t.grad_accum_dtype or t.dtype)  # DeepSpeedEngine.get_data_types: the model dtype by default
+    widths = {k: b for k, _ in every if ".lora_" not in k} if tb != b else None
+    return Zero3(places, all_names, all_numels, set(names), lay.zero_group, tb, g, z, opt, comm, t.grad_accum,
+                 t.dtype == "fp16", widths)
 
 
 def shape(job: Job) -> Shape:
@@ -105,13 +118,18 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     trainable = _trainable(job)
     places = Places(L, host, cpu_run)
     engine = _engine(L, job, trainable, places)
+    adapters = adapter_tensors(job)
     if isinstance(engine, Zero3):
         from ..params import parameter_tensors
 
         engine.build([(p.name, p.numel) for p in parameter_tensors(job.model)])
+        # peft's adapters, made after zero.Init, are partitioned as deepspeed.initialize wraps the model
+        # (DeepSpeedZeRoOffload converts the parameters without a ds_id)
+        engine.partition(list(adapters), build_adapters(L, adapters, dtype_bytes(t.dtype)))
         ids = {}
     else:
         ids = build_model(L, job)
+        adapter_ids = build_adapters(L, adapters, dtype_bytes(t.dtype))
     hooks = engine if isinstance(engine, Zero3) else None
     workspaces = []
 
@@ -124,14 +142,24 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
         engine.on_param_grad(ag, param, grad)
 
     ag = Autograd(L, on_param_grad=on_param_grad)
+    if isinstance(engine, Zero3):
+        def saved_param_release(name: str) -> None:  # a frozen parameter's node released it (no grad follows)
+            engine.free_retained(name)
+            ag.saved_param_views.discard(name)
+        ag.on_saved_param_release = saved_param_release
     loop = make_loop(L, ag, job)
     if isinstance(loop, TrainerLoop):
         loop.before_initialize()
+    if adapters and not isinstance(engine, Zero3):
+        ids.update(cast_adapters(L, adapters, adapter_ids, dtype_bytes(t.dtype)))
     engine.initialize(ids)
     if isinstance(loop, TrainerLoop):
         loop.after_initialize()
     ag.before_matmul = workspace
-    params = Params(ag, job.model, dtype_bytes(t.dtype), trainable)
+    ab = _adapter_bytes(job)
+    lora = t.lora
+    params = Params(ag, job.model, dtype_bytes(t.dtype), trainable, tuple((k, n * ab) for k, n in adapters), ab,
+                    lora.rank if lora else 0, lora.dropout if lora else 0.0)
     s = shape(job)
     layer_fn = None
     if t.checkpointing == "full":
@@ -142,8 +170,12 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     def forward():
         if hooks is not None:
             hooks.start_forward()
-        out = forward_of(Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype))
-        return out if hooks is None else hooks.end_forward(ag, out)
+        net = Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype)
+        net.input_require_grads = t.checkpointing != "none"  # gradient_checkpointing_enable's hook
+        out = forward_of(net)
+        out = out if hooks is None else hooks.end_forward(ag, out)
+        out.leaves = ag.take_leaves()
+        return out
 
     stepped = []
 

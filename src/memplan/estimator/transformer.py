@@ -12,7 +12,7 @@ hooks (ZeRO-3 gathering) can run around them. Symbols as in blocks.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..specs import ModelSpec
 from . import blocks as B
@@ -42,9 +42,12 @@ class Shape:
 
 
 class Params:
-    """The model's parameters as autograd leaves (their bytes live in the model states, not here)."""
+    """The model's parameters as autograd leaves (their bytes live in the model states, not here). ``adapters``:
+    LoRA's A and B weights ((name, bytes), estimator/peft_linear.py), trained, with the adapters' dtype bytes,
+    rank and dropout."""
 
-    def __init__(self, ag: Autograd, model: ModelSpec, b: int, trainable):
+    def __init__(self, ag: Autograd, model: ModelSpec, b: int, trainable, adapters: tuple[tuple[str, int], ...] = (),
+                 adapter_bytes: int = 0, lora_rank: int = 0, lora_dropout: float = 0.0):
         from ..params import parameter_tensors
 
         self.by_name: dict[str, Tensor] = {}
@@ -52,6 +55,12 @@ class Params:
             self.by_name[t.name] = ag.param(t.name, t.numel * b, trainable(t.name))
         if model.tie_word_embeddings:
             self.by_name["lm_head.weight"] = self.by_name[next(iter(self.by_name))]
+        for name, nbytes in adapters:
+            self.by_name[name] = ag.param(name, nbytes, True)
+        self.adapted = {name.split(".lora_A.")[0] for name, _ in adapters if ".lora_A." in name}
+        self.adapter_bytes, self.lora_rank, self.lora_dropout = adapter_bytes, lora_rank, lora_dropout
+        #: the input embeddings (get_input_embeddings: the module of the first parameter)
+        self.embedding_module = next(iter(self.by_name)).rsplit(".", 1)[0]
 
     def __getitem__(self, name: str) -> Tensor:
         return self.by_name[name]
@@ -97,6 +106,9 @@ class Net:
         self.dtype = dtype  # TrainingSpec.dtype (bf16 and fp16 differ in CUDA's softmax)
         self.sdpa_backend = sdpa_backend  # a kernel forced as torch.nn.attention.sdpa_kernel does (None: dispatch)
         self.in_leaf = False  # inside a ZeRO-3 leaf module: its children carry no hooks
+        #: transformers' enable_input_require_grads (gradient_checkpointing_enable calls it): a forward hook on
+        #: the input embeddings, ``output.requires_grad_(True)`` (a leaf when the embedding is frozen)
+        self.input_require_grads = False
 
     def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor | None, ...] = (), hooked: int = 0):
         """Call module ``name`` (``fn(*inputs)``; ``params``: its own parameters, module.parameters(recurse=False)
@@ -108,6 +120,8 @@ class Net:
         params = tuple(t for t in params if t is not None)
         wrapped = self.hooks.pre_forward(ag, name, params, inputs)
         out = fn(*wrapped)
+        if self.input_require_grads and name == self.p.embedding_module and not out.requires_grad:
+            ag.input_leaf(out)  # transformers' hook, registered before DeepSpeed's, runs first
         for w, x in zip(wrapped, inputs):
             if w is not x:
                 ag.release(w)
@@ -144,20 +158,31 @@ class Net:
         return hooked
 
     def linear(self, x: Tensor, name: str, out_features: int, bias: bool = False) -> Tensor:
-        """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]."""
+        """nn.Linear ``name`` (weight ``name.weight``, bias ``name.bias`` when ``bias``) on x: [T, out]; with a
+        LoRA adapter on it, peft's lora.Linear around it (estimator/peft_linear.py)."""
         s, p = self.s, self.p
         w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
-        transposed = not self.hooks.zero3_linear  # ZeRO-3's linear multiplies by the weight itself
-        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t,
-                                                    transposed=transposed), x, params=(w, b_t))
+        z3 = self.hooks.zero3_linear  # ZeRO-3's linear multiplies by the weight itself and always saves x
+        return self._adaptable(name, out_features, x, (w, b_t), lambda z: B.linear(
+            self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=not z3, keeps_input=z3))
 
     def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
         """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""
         s, p = self.s, self.p
         w, b_t = p[f"{name}.weight"], p[f"{name}.bias"]
-        return self.module(name, lambda z: B.linear(self.ag, z, w, s.b * s.tokens * out_features, name, b_t,
-                                                    transposed=False), x, params=(w, b_t))
+        return self._adaptable(name, out_features, x, (w, b_t), lambda z: B.linear(
+            self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=False))
+
+    def _adaptable(self, name: str, out_features: int, x: Tensor, params: tuple, run) -> Tensor:
+        """Module ``name`` running ``run``, or, when peft adapted it, its lora.Linear wrapper with ``run`` as the
+        base_layer."""
+        if name not in self.p.adapted:
+            return self.module(name, run, x, params=params)
+        from .peft_linear import lora_linear
+
+        return lora_linear(self, x, name, out_features,
+                           lambda z: self.module(f"{name}.base_layer", run, z, params=params))
 
     def layernorm(self, x: Tensor, name: str) -> Tensor:
         """nn.LayerNorm ``name`` (weight and bias) over the hidden size of x [T, h]."""
@@ -189,10 +214,12 @@ def frame_extras(*kwargs) -> tuple[Tensor, ...]:
 
 @dataclass
 class Output:
-    """What ``*ForCausalLM.forward`` returns: the loss and the logits (the CausalLMOutputWithPast)."""
+    """What ``*ForCausalLM.forward`` returns: the loss and the logits (the CausalLMOutputWithPast); ``leaves``:
+    the graph's input leaves (Autograd.input_leaf), which die with it (the caller releases them)."""
 
     loss: Tensor
     logits: Tensor
+    leaves: list = field(default_factory=list)
 
 
 def positions(ag: Autograd, s: Shape) -> Tensor | None:
@@ -345,6 +372,24 @@ def causal_lm_loss(ag: Autograd, m: ModelSpec, s: Shape, logits: Tensor) -> Tens
     ag.release(padded)
     ag.release(shifted)
     return loss
+
+
+def causal_lm_head(net: Net, normed: Tensor, cap=None) -> Output:
+    """*ForCausalLM.forward after its decoder returns the final norm's output ``normed`` (the caller's
+    reference passes here): ``hidden_states = outputs.last_hidden_state`` stays alive until forward returns,
+    after the loss; ``lm_head(hidden_states[:, slice_indices, :])`` (the slice a temporary view); ``cap``:
+    Gemma 2's final logit soft-capping (rebinding logits); then ForCausalLMLoss. A frozen lm_head saves no
+    input, so the norm's output dies here, not at the head."""
+    ag = net.ag
+    head_in = ag.view(normed)
+    logits = net.linear(head_in, "lm_head", net.m.vocab_size)
+    ag.release(head_in)
+    if cap is not None:
+        logits = cap(logits)
+    logits_comp(ag, logits)
+    loss = causal_lm_loss(ag, net.m, net.s, logits)
+    ag.release(normed)
+    return Output(loss, logits)
 
 
 def logits_comp(ag: Autograd, logits: Tensor) -> None:

@@ -71,8 +71,9 @@ class Zero3(Zero3Params):
     """The stage-3 optimizer over its partitioned parameters (see the module docstring)."""
 
     def __init__(self, places: Places, names: list[str], numels: list[int], trainable: set[str], n: int, b: int,
-                 g: int, zero, optimizer: Optimizer, comm_bytes: int, grad_accum: int = 1, fp16: bool = False):
-        super().__init__(places, names, numels, n, b, zero)
+                 g: int, zero, optimizer: Optimizer, comm_bytes: int, grad_accum: int = 1, fp16: bool = False,
+                 widths: dict[str, int] | None = None):
+        super().__init__(places, names, numels, n, b, zero, widths)
         self.g, self.opt, self.comm_b, self.ga, self.fp16 = g, optimizer, comm_bytes, grad_accum, fp16
         self.trainable = trainable
         self.trained = [k for k in names if k in trainable]
@@ -134,7 +135,7 @@ class Zero3(Zero3Params):
                 P.host_zeros("zero3.fp32_grad_partition (host)", FP32 * n, self.pin_memory, "gradients")
         P.free_host(gbuf) if self.offload_opt else L.free(gbuf)
         if self.contiguous:
-            L.alloc("zero3.ipg_bucket", b * self.rbs, "grad_bucket")
+            L.alloc("zero3.ipg_bucket", self.comm_b * self.rbs, "grad_bucket")  # one per communication dtype
         if self.offload_opt:
             P.host_zeros("zero3.grad_partitions_flat_buffer (host)", self.g * total, self.pin_memory, "gradients")
         else:
@@ -165,6 +166,11 @@ class Zero3(Zero3Params):
         tensors = {t.param: t for t in params}
         self.leaf_params.update(names)
         self.leaf_modules.add(names)
+        # the hook covers the leaf's parameters in the optimizer's groups (create_reduce_and_remove_grad_hooks
+        # walks self.fp16_groups: the trainable ones); a frozen leaf (LoRA's base experts) registers none
+        names = tuple(k for k in names if k in self.trainable)
+        if not names:
+            return inputs
 
         def reduce_leaf():
             for name in sorted(names, key=self.rank_of.__getitem__):

@@ -42,8 +42,12 @@ class Zero3Params(ModuleHooks):
 
     zero3_linear = True  # zero.Init's zero3_linear_wrap (ModuleHooks.zero3_linear)
 
-    def __init__(self, places: Places, names: list[str], numels: list[int], n: int, b: int, zero):
+    def __init__(self, places: Places, names: list[str], numels: list[int], n: int, b: int, zero,
+                 widths: dict[str, int] | None = None):
         self.P, self.L, self.n, self.b = places, places.dev, n, b
+        #: bytes per element of each parameter: ``b`` unless ``widths`` says otherwise (peft's fp32 adapters on a
+        #: 16-bit base: lora.adapter_dtype_bytes)
+        self.w = {k: (widths or {}).get(k, b) for k in names}
         self.numel = dict(zip(names, numels))
         self.order = names
         self.rank_of = {k: i for i, k in enumerate(names)}  # ds_id order
@@ -74,25 +78,31 @@ class Zero3Params(ModuleHooks):
         """zero.Init: a module's own parameters whole as its __init__ creates them, then, as _post_init_method
         runs when that __init__ returns, each one's partition made and its whole freed (a module of several
         parameters, e.g. transformers' MixtralExperts gate_up_proj and down_proj, holds them all whole at once)."""
-        L, P, b = self.L, self.P, self.b
+        L, w = self.L, self.w
         for _owner, group in groupby(model_order, key=lambda p: p[0].rsplit(".", 1)[0]):
             params = list(group)
-            wholes = [L.alloc(name, b * numel, "params_16bit") for name, numel in params]
-            for (name, numel), whole in zip(params, wholes):
-                nbytes = b * -(-numel // self.n)
-                if self.offload_param:
-                    self.partitions[name] = P.pin(P.host_alloc(f"{name} (partition)", nbytes, "params_16bit"),
-                                                  self.pin_memory)
-                else:
-                    self.partitions[name] = L.alloc(f"{name} (partition)", nbytes, "params_16bit")
-                L.free(whole)
+            wholes = [L.alloc(name, w[name] * numel, "params_16bit") for name, numel in params]
+            self.partition(params, wholes)
+
+    def partition(self, params: list[tuple[str, int]], wholes: list[int]) -> None:
+        """_partition_param for parameters that exist whole (ledger ids ``wholes``): each one's partition made,
+        its whole freed."""
+        L, P, w = self.L, self.P, self.w
+        for (name, numel), whole in zip(params, wholes):
+            nbytes = w[name] * -(-numel // self.n)
+            if self.offload_param:
+                self.partitions[name] = P.pin(P.host_alloc(f"{name} (partition)", nbytes, "params_16bit"),
+                                              self.pin_memory)
+            else:
+                self.partitions[name] = L.alloc(f"{name} (partition)", nbytes, "params_16bit")
+            L.free(whole)
 
     # -- gathering ----------------------------------------------------------------------------------------
     def _h2d(self, names: list[str], stream: int) -> list[int | None]:
         """``[p.ds_tensor.to(device) for p in params]``: GPU copies of host partitions (offload_param)."""
         if not self.offload_param:
             return []
-        return [self.P.to_device(f"{p} (partition on the GPU)", self.b * self.part[p], "params_gathered", stream)
+        return [self.P.to_device(f"{p} (partition on the GPU)", self.w[p] * self.part[p], "params_gathered", stream)
                 for p in names]
 
     def _free_all(self, tids: list[int | None]) -> None:
@@ -105,19 +115,19 @@ class Zero3Params(ModuleHooks):
                       key=self.rank_of.__getitem__)
         if not todo:
             return
-        L, b, s = self.L, self.b, ALLGATHER_STREAM
+        L, w, s = self.L, self.w, ALLGATHER_STREAM
         self.n_avail += sum(self.numel[p] for p in todo)
         if self.n == 1:  # _no_gather_coalesced: param.data = ds_tensor.to(device)
             for p in todo:
-                self.avail[p] = (self.P.to_device(f"{p} (gathered)", b * self.numel[p], "params_gathered", s)
+                self.avail[p] = (self.P.to_device(f"{p} (gathered)", w[p] * self.numel[p], "params_gathered", s)
                                  if self.offload_param else None)
             return
         if len(todo) == 1:  # _all_gather_sequential: the buffer is the parameter
             p = todo[0]
-            self.avail[p] = L.alloc(f"{p} (gathered)", b * self.part[p] * self.n, "params_gathered", s)
+            self.avail[p] = L.alloc(f"{p} (gathered)", w[p] * self.part[p] * self.n, "params_gathered", s)
             self._free_all(self._h2d(todo, s))
             return
-        flat = L.alloc("zero3.allgather_flat", b * self.n * sum(self.part[p] for p in todo), "params_gathered", s)
+        flat = L.alloc("zero3.allgather_flat", self.n * sum(w[p] * self.part[p] for p in todo), "params_gathered", s)
         self._free_all(self._h2d(todo, s))  # torch.cat(..., out=partition) of the copies
         handle = [flat, set(todo), todo]
         for p in todo:
@@ -130,7 +140,7 @@ class Zero3Params(ModuleHooks):
             return
         if handle[2]:  # AllGatherCoalescedHandle.wait: every parameter copied out at the first wait
             for p in handle[2]:
-                self.avail[p] = self.L.alloc(f"{p} (gathered)", self.b * self.numel[p], "params_gathered",
+                self.avail[p] = self.L.alloc(f"{p} (gathered)", self.w[p] * self.numel[p], "params_gathered",
                                              ALLGATHER_STREAM)
             handle[2] = []
         handle[1].discard(name)
@@ -156,19 +166,19 @@ class Zero3Params(ModuleHooks):
     def gather_now(self, names: list[str], component: str = "params_gathered") -> None:
         """Init._all_gather(params, async_op=False) outside the coordinator (see the module docstring; the
         coordinator's count of available elements is not told)."""
-        L, b = self.L, self.b
+        L, w = self.L, self.w
         if len(names) == 1:  # _allgather_params_sequential
             p = names[0]
-            self.avail[p] = L.alloc(f"{p} ({component})", b * self.part[p] * self.n, component)
+            self.avail[p] = L.alloc(f"{p} ({component})", w[p] * self.part[p] * self.n, component)
             self._free_all(self._h2d(names, 0))
         elif self.n == 1:  # _no_gather_coalesced, then wait
             for p in names:
-                self.avail[p] = (self.P.to_device(f"{p} ({component})", b * self.numel[p], component)
+                self.avail[p] = (self.P.to_device(f"{p} ({component})", w[p] * self.numel[p], component)
                                  if self.offload_param else None)
         else:  # _allgather_params_coalesced: the host partitions on the GPU, then one buffer per parameter
             local = self._h2d(names, 0)
             for p in names:
-                self.avail[p] = L.alloc(f"{p} ({component})", b * self.part[p] * self.n, component)
+                self.avail[p] = L.alloc(f"{p} ({component})", w[p] * self.part[p] * self.n, component)
             self._free_all(local)
 
     def fetch(self, params: tuple[str, ...]) -> None:

@@ -105,9 +105,14 @@ def tiny_causal_lm(config: dict, dtype: str = "bf16", attention: str = "eager"):
     return model
 
 
-#: kernels whose internal temporaries differ between the CPU and CUDA (the estimator models CUDA's)
+#: kernels whose internal temporaries differ between the CPU and CUDA (the estimator models CUDA's). aten::add
+#: and the matmuls: the CPU's TensorIterator casts an input of another dtype to a temporary first (a bf16 base
+#: output plus peft's fp32 adapter output; TensorIteratorBase::compute_types on the CPU), and the CPU's bf16
+#: gemms (oneDNN on CPUs with bf16 units) pack operands into temporaries, where CUDA's kernels cast in registers
+#: and cuBLAS takes its workspace once
 DEVICE_KERNELS = ("scaled_dot_product", "embedding_dense_backward", "embedding_backward", "aten::cumsum",
-                  "aten::sort", "aten::histc", "aten::_grouped_mm", "aten::native_layer_norm_backward")
+                  "aten::sort", "aten::histc", "aten::_grouped_mm", "aten::native_layer_norm_backward", "aten::add",
+                  "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 #: composite kernels inside those: the same aten ops on every device, so everything in them is compared
 COMPOSITE_KERNELS = ("aten::_scaled_dot_product_attention_math",)
 

@@ -10,7 +10,7 @@ import math
 
 from .. import blocks as B
 from ..autograd import Tensor, _Ctx
-from ..transformer import INT64, Net, Output, causal_lm_loss, embedding, logits_comp
+from ..transformer import INT64, Net, Output, causal_lm_head, embedding
 
 INT32 = 4
 
@@ -238,10 +238,4 @@ def forward(net: Net) -> Output:
     ag.release(hidden)
     for t in (ones, emb, al, mask, weights):  # BloomModel.forward returns: its locals die in co_varnames order
         ag.release(t)
-    head_in = ag.view(normed)
-    ag.release(normed)
-    logits = net.linear(head_in, "lm_head", m.vocab_size)
-    ag.release(head_in)
-    logits_comp(ag, logits)
-    loss = causal_lm_loss(ag, m, s, logits)
-    return Output(loss, logits)
+    return causal_lm_head(net, normed)

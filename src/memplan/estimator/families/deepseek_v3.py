@@ -150,21 +150,22 @@ def _router(net: Net, x: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
     ag.release(xr)
     w32 = B.to_dtype(ag, w, B.FP32 * e * h, f"{pre}.weight_fp32")
     def linear_backward(ctx, grad, node):  # MmBackward0: mat2's grad (w32.t()'s, a view), then self's
-        gw = ctx.new(f"grad.{pre}.weight_fp32", w32.nbytes, view=True)
-        return (ctx.new(f"grad.{pre}.input_fp32", x32.nbytes), gw)
+        gw = ctx.new(f"grad.{pre}.weight_fp32", w32.nbytes, view=True) if w32.requires_grad else None
+        gx = ctx.new(f"grad.{pre}.input_fp32", x32.nbytes) if x32.requires_grad else None
+        return (gx, gw)
 
-    # F.linear(x32, w32) on 2-D inputs: mm with w32.t(); MmBackward0 saves both (neither is a parameter; the
-    # CPU trace releases mat2 first)
-    logits = ag.op(f"{pre}.logits", B.FP32 * t * e, (x32, w32), (w32, x32), linear_backward)
+    # F.linear(x32, w32) on 2-D inputs: mm with w32.t(); MmBackward0 saves mat2 for self's grad and self for
+    # mat2's (neither is a parameter; the CPU trace releases mat2 first): a frozen router keeps only w32
+    saved = ((w32,) if x32.requires_grad else ()) + ((x32,) if w32.requires_grad else ())
+    logits = ag.op(f"{pre}.logits", B.FP32 * t * e, (x32, w32), saved, linear_backward)
     ag.release(x32)
     ag.release(w32)
     scores = ag.op(f"{pre}.sigmoid", B.FP32 * t * e, (logits,), ("out",),
                    lambda ctx, grad, node: (ctx.new(f"grad.{pre}.sigmoid", B.FP32 * t * e),))
     with_grad, ag.grad_enabled = ag.grad_enabled, False  # the group-limited choice: indices only (see above)
-    # a 16-bit bias cast to fp32 for the add, a temporary on the CPU (CUDA casts while loading)
-    cast = ag.empty(f"{pre}.bias_fp32", B.FP32 * e) if net.device == "cpu" and s.b != B.FP32 else None
+    # a 16-bit bias is cast to fp32 for the add while loading (the CPU's cast temporary is dropped by the trace
+    # comparison: memplan.verify.cputrace.DEVICE_KERNELS)
     choice = ag.empty(f"{pre}.scores_for_choice", B.FP32 * t * e)
-    ag.release(cast)
     top2 = ag.empty(f"{pre}.group_top2.values", B.FP32 * t * 2 * groups)
     top2_idx = ag.empty(f"{pre}.group_top2.indices", INT64 * t * 2 * groups)  # TopkBackward0 keeps it
     if not ag.saving:  # a checkpointed forward: the saved-tensor hook keeps a handle, the indices die here

@@ -19,11 +19,10 @@ from ..autograd import Tensor
 from ..transformer import (
     Net,
     Output,
-    causal_lm_loss,
+    causal_lm_head,
     causal_mask,
     embedding,
     frame_extras,
-    logits_comp,
     packed_sequence_check,
     position_ids,
     rotary,
@@ -152,15 +151,8 @@ def forward(net: Net) -> Output:
     for cos, sin in tables.values():
         ag.release(cos)
         ag.release(sin)
-    head_in = ag.view(normed)
-    ag.release(normed)
-    logits = net.linear(head_in, "lm_head", m.vocab_size)
-    ag.release(head_in)
-    if m.final_logit_softcapping is not None:
-        logits = B.soft_cap(ag, logits, "lm_head.softcap")
-    logits_comp(ag, logits)
-    loss = causal_lm_loss(ag, m, s, logits)
-    return Output(loss, logits)
+    cap = (lambda z: B.soft_cap(ag, z, "lm_head.softcap")) if m.final_logit_softcapping is not None else None
+    return causal_lm_head(net, normed, cap)
 
 
 def _layer_type(m, i: int) -> str:

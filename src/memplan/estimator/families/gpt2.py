@@ -12,11 +12,10 @@ from ..autograd import Tensor
 from ..transformer import (
     Net,
     Output,
-    causal_lm_loss,
+    causal_lm_head,
     causal_mask,
     embedding,
     frame_extras,
-    logits_comp,
     packed_sequence_check,
     position_ids,
 )
@@ -139,10 +138,4 @@ def forward(net: Net) -> Output:
     ag.release(hidden)
     for t in (pos, emb, pe, mask):  # GPT2Model.forward returns: its locals die in co_varnames order
         ag.release(t)
-    head_in = ag.view(normed)  # .view(output_shape), then hidden_states[:, slice(0, None), :]
-    ag.release(normed)
-    logits = net.linear(head_in, "lm_head", m.vocab_size)
-    ag.release(head_in)
-    logits_comp(ag, logits)
-    loss = causal_lm_loss(ag, m, s, logits)
-    return Output(loss, logits)
+    return causal_lm_head(net, normed)  # .view(output_shape) first: a view

@@ -13,11 +13,10 @@ from ..autograd import Tensor
 from ..transformer import (
     Net,
     Output,
-    causal_lm_loss,
+    causal_lm_head,
     causal_mask,
     embedding,
     frame_extras,
-    logits_comp,
     positions,
     rotary,
 )
@@ -152,10 +151,4 @@ def forward(net: Net) -> Output:
     ag.release(hidden)
     for t in (pos_ids, emb, mask, cos, sin):  # GPTNeoXModel.forward returns: locals in co_varnames order
         ag.release(t)
-    head_in = ag.view(normed)
-    ag.release(normed)
-    logits = net.linear(head_in, "lm_head", m.vocab_size)
-    ag.release(head_in)
-    logits_comp(ag, logits)
-    loss = causal_lm_loss(ag, m, s, logits)
-    return Output(loss, logits)
+    return causal_lm_head(net, normed)

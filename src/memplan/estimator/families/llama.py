@@ -14,11 +14,10 @@ from ..autograd import Tensor
 from ..transformer import (
     Net,
     Output,
-    causal_lm_loss,
+    causal_lm_head,
     causal_mask,
     embedding,
     frame_extras,
-    logits_comp,
     positions,
     rotary,
 )
@@ -204,10 +203,4 @@ def forward(net: Net, mlp_fn=mlp, attn_fn=attention, block=None, norm_fn=_rmsnor
     order = (mask, emb, pos_ids) if m.family in ("qwen2", "qwen3") else (pos_ids, emb, mask)
     for t in (*order, cos, sin):
         ag.release(t)
-    head_in = ag.view(normed)  # hidden_states[:, slice(0, None), :]
-    ag.release(normed)
-    logits = net.linear(head_in, "lm_head", m.vocab_size)
-    ag.release(head_in)
-    logits_comp(ag, logits)
-    loss = causal_lm_loss(ag, m, s, logits)
-    return Output(loss, logits)
+    return causal_lm_head(net, normed)
