@@ -45,11 +45,13 @@ def _adapter_modelled(job: Job) -> bool:
     """No adapter, or LoRA on linears as the ledger runs it (estimator/peft_linear.py: bias "none", no
     modules_to_save, no DoRA), and nothing peft adapts through lora.ParamWrapper (MoE routers and fused
     experts: peftconfig.parameter_wrapper_targets)."""
+    lora = job.training.lora
+    if lora is None:
+        return True
     from ..peftconfig import parameter_wrapper_targets
     from .peft_linear import ledger_models
 
-    lora = job.training.lora
-    return lora is None or (ledger_models(lora) and not parameter_wrapper_targets(job.model.family, lora.targets))
+    return ledger_models(lora) and not parameter_wrapper_targets(job.model.family, lora.targets)
 
 
 def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2) -> bool:
