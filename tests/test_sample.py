@@ -370,6 +370,9 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
                                   (SAMPLED.parent / "rows-sampled-seed4-h200-3.jsonl").read_text().splitlines())
     call14 = [json.loads(x) for x in (SAMPLED / "call14.jsonl").read_text().splitlines()]
     assert call14 == sample_call.select(seed4, 120, 1, 600, names4c) and len(call14) == 2
+    seed5 = [json.loads(x) for x in (SAMPLED / "seed5.jsonl").read_text().splitlines()]
+    call15 = [json.loads(x) for x in (SAMPLED / "call15.jsonl").read_text().splitlines()]
+    assert call15 == sample_call.select(seed5, 60, 1, 1400) and len(call15) == 34  # seed 5's first device call
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
