@@ -198,3 +198,49 @@ def test_lora_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, c
     first = model_check.first_mismatch(real, predicted)
     assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+
+
+#: Ulysses sequence parallelism (estimator/ulysses.py): (TINY config, batch, seq, sp, checkpointing, extra config).
+#: sp 4 over 2 kv heads replicates them; a batch of one and one local head make some copies views
+ULYSSES_CASES = [
+    ("llama_gqa", 2, 64, 2, False, {}),
+    ("llama_gqa", 1, 64, 2, False, {}),
+    ("llama_gqa", 2, 64, 4, False, {}),
+    ("llama_gqa", 1, 128, 4, True, {}),
+    ("llama_mha", 1, 64, 4, False, {}),
+    ("qwen2", 2, 64, 2, True, {}),
+    ("qwen3", 2, 64, 2, False, {}),
+    ("mistral", 2, 64, 2, False, {}),  # window 16 <= S/sp: the model builds its mask, the wrapper drops it
+    ("mixtral", 1, 64, 2, False, {"head_dim": 16}),  # UlyssesSPAttentionHF reads config.head_dim
+    ("qwen3_moe", 2, 64, 2, False, {}),
+    ("gemma2", 2, 64, 2, False, {}),
+    ("gemma3", 1, 64, 2, True, {}),
+    ("phi3", 2, 64, 2, False, {}),
+    ("olmo2", 1, 64, 2, False, {}),
+]
+
+
+@pytest.mark.parametrize(("tiny", "batch", "seq", "sp", "checkpointing", "extra"), ULYSSES_CASES)
+def test_ulysses_micro_step_matches_cpu_trace(tiny, batch, seq, sp, checkpointing, extra):
+    """DeepSpeed's UlyssesSPAttentionHF around sdpa, event for event: the gathered positions, each of q, k, v
+    copied and all-to-all'd, the contiguous layers, the context's partition and its copies; in backward the
+    all-to-alls of the grads and the reshapes that copy them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("einops")
+    cfg = {**model_check.TINY[tiny], **extra}
+    args = {"config": cfg, "batch": batch, "seq": seq, "sp": sp, "checkpointing": checkpointing}
+    run = subprocess.run([sys.executable, "-m", "memplan.verify.cputrace_ulysses", json.dumps(args)],
+                         check=False, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    real = [tuple(e) for e in json.loads(run.stdout.strip().splitlines()[-1])]
+    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype="bf16", attention="sdpa", device="cpu",
+                                         checkpointing=checkpointing, sp=sp)
+    first = model_check.first_mismatch(real, predicted)
+    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
+                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")

@@ -32,13 +32,27 @@ def ledger_supported(job: Job) -> bool:
     from .families import FORWARD
 
     t, lay, m = job.training, job.layout, job.model
-    return (lay.pp == 1 and lay.tp == 1 and lay.sp == 1
+    return (lay.pp == 1 and lay.tp == 1 and _sequence_parallel_modelled(job)
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and _adapter_modelled(job)
-            and _attention_modelled(m, t.attention, t.seq_len, dtype_bytes(t.dtype))
+            and _attention_modelled(m, t.attention, t.seq_len, dtype_bytes(t.dtype), lay.sp > 1)
             and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion", "cpu_adam")
             and not _unmodelled_fp32_accumulation(job) and t.model_impl == "transformers"
             and not m.output_router_logits)  # the MoE auxiliary loss (load_balancing_loss_func) is not ported
+
+
+#: families whose attention goes through llama.attend, where Ulysses' wrapper is modelled (estimator/ulysses.py;
+#: event for event against the CPU trace of DeepSpeed's UlyssesSPAttentionHF on the fake process group)
+ULYSSES_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+                              "phi3", "olmo2"})
+
+
+def _sequence_parallel_modelled(job: Job) -> bool:
+    """No sequence parallelism, or Ulysses in the DeepSpeed loops on a family above with sdpa or flash (DeepSpeed
+    refuses eager; the Trainer's sp path is not the ledger's)."""
+    t, lay = job.training, job.layout
+    return lay.sp == 1 or (job.model.family in ULYSSES_FAMILIES and t.attention != "eager"
+                           and t.loop != "hf-trainer")
 
 
 def _adapter_modelled(job: Job) -> bool:
@@ -54,7 +68,7 @@ def _adapter_modelled(job: Job) -> bool:
     return ledger_models(lora) and not parameter_wrapper_targets(job.model.family, lora.targets)
 
 
-def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2) -> bool:
+def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2, mask_dropped: bool = False) -> bool:
     """Attention the ledger models: transformers' eager path in every ported family (its ops are the same on
     every device; event for event against the CPU trace, tests/test_ledger_trace.py) and sdpa with whichever
     kernel the one dispatch rule (blocks_attention.dispatch) picks: cuDNN, flash (never given a mask), the
@@ -72,7 +86,7 @@ def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2) -
         return True
     if sdpa_backend(m, b, attention) == "eager":  # BLOOM: transformers runs its own attention
         return False
-    kernel, masked = sdpa_dispatch(m, b, attention, seq)
+    kernel, masked = sdpa_dispatch(m, b, attention, seq, mask_dropped)
     return kernel in ("cudnn", "math", "efficient") or (kernel == "flash" and not masked)
 
 

@@ -69,13 +69,16 @@ def sdpa_backend(m: ModelSpec, b: int, attention: str) -> str:
     return "masked" if masked and kernel != "math" else kernel
 
 
-def sdpa_dispatch(m: ModelSpec, b: int, attention: str, seq: int | None = None) -> tuple[str, bool]:
+def sdpa_dispatch(m: ModelSpec, b: int, attention: str, seq: int | None = None, mask_dropped: bool = False
+                  ) -> tuple[str, bool]:
     """(the CUDA kernel blocks_attention.dispatch picks for the model's attention call, whether a sliding
     window's mask is passed to it). ``seq``: the attention's sequence; a window no shorter than it builds no
-    mask (masking_utils._ignore_causal_mask_sdpa); None: assume the mask."""
+    mask (masking_utils._ignore_causal_mask_sdpa); None: assume the mask. ``mask_dropped``: the interface gets
+    none whatever the model built (Ulysses' uattn_wrapper, estimator/ulysses.py)."""
     from .blocks_attention import dispatch, model_geometry
 
-    masked = m.sliding_window is not None and (seq is None or seq >= m.sliding_window)
+    masked = (not mask_dropped and m.sliding_window is not None
+              and (seq is None or seq >= m.sliding_window))
     g = model_geometry(m, 1, 2, b)  # the kernel does not depend on B, S > 1
     return dispatch("cuda", attention, None, g, masked, m.attention_dropout)[0], masked
 

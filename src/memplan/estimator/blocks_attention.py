@@ -245,7 +245,8 @@ def sdpa_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     out, out_bshd = run(net, q, k2, v2, fmask, g2, dropout=dropout, name=f"{name}.{kernel}", bshd=bshd)
     if fmask is not None:
         ag.release(fmask)
-    o = _transpose_contiguous(ag, out, out_bshd, f"{name}.out_contiguous")
+    # a single head transposes to a contiguous tensor (Ulysses' local heads can be one): no copy
+    o = _transpose_contiguous(ag, out, out_bshd or g2.heads == 1, f"{name}.out_contiguous")
     ag.release(out)
     ag.release(k2)  # sdpa_attention_forward returns: its key, value (the repeated ones) die
     ag.release(v2)
@@ -258,7 +259,12 @@ def grad_copies(net, g: Geometry, mask_given: bool, dropout: float) -> tuple[boo
     in the inputs' [B, S, nh, d] memory (cuDNN: alloc_with_matching_layout): no copy. Eager and math return q's
     and v's from bmm, contiguous [B, nh, S, d]: a copy; k's comes from the mat2 grad of k^T, [B, nh, d, S] in
     memory, whose transpose views back: no copy unless k was repeated (repeat_kv / repeat_interleave:
-    contiguous [B, nh, S, d])."""
+    contiguous [B, nh, S, d]). Under Ulysses (the rank's sequence shorter than attention's) the grads come
+    back from the wrapper's backward: q's and k's through RoPE, v's as ulysses.v_grad_copies says."""
+    if net.s.attn_seq != net.s.seq:
+        from .ulysses import v_grad_copies
+
+        return True, True, v_grad_copies(net, g)
     n_rep = g.heads // g.kv_heads
     if net.attention == "eager":
         return True, n_rep > 1, True

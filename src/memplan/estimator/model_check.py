@@ -89,13 +89,14 @@ TINY = {
 
 def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
                device: str = "cpu", sdpa_backend: str | None = None, checkpointing: bool = False,
-               lora=None, adapter_dtype: str = "fp32") -> tuple[Ledger, dict[str, Tensor]]:
+               lora=None, adapter_dtype: str = "fp32", sp: int = 1) -> tuple[Ledger, dict[str, Tensor]]:
     """The ledger of one loss-loop micro-step of ``config`` (forward, loss, backward) as the autograd model
     issues it, with the attention kernels ``device`` runs (``sdpa_backend``: one forced, as
     torch.nn.attention.sdpa_kernel does), and each parameter's gradient (what .grad keeps) by name.
     ``checkpointing``: every decoder layer checkpointed the non-reentrant way (transformers' default).
     ``lora``: a LoraSpec applied as peft's get_peft_model applies it (the base frozen), with the adapters in
-    ``adapter_dtype`` (fp32: peft's autocast_adapter_dtype; the training dtype: as DeepSpeed casts them)."""
+    ``adapter_dtype`` (fp32: peft's autocast_adapter_dtype; the training dtype: as DeepSpeed casts them).
+    ``sp``: Ulysses over that many ranks, this rank holding seq / sp tokens and passing position_ids."""
     from .checkpoint import nonreentrant
 
     spec = model_from_config(dict(config), "tiny", "tiny test config")
@@ -114,7 +115,7 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
         adapters = tuple((t.name, t.numel * ab) for t, tr in ts.tensors if ".lora_" in t.name)
         params = Params(ag, spec, b, lambda name: trains.get(name, False), adapters, ab, lora.rank, lora.dropout)
     layer_fn = nonreentrant(ag) if checkpointing else None
-    net = Net(ag, spec, Shape(batch, seq, seq, b), params, layer_fn=layer_fn, attention=attention, device=device,
+    net = Net(ag, spec, Shape(batch, seq // sp, seq, b, positions_given=sp > 1), params, layer_fn=layer_fn, attention=attention, device=device,
               dtype=dtype, sdpa_backend=sdpa_backend)
     net.input_require_grads = checkpointing  # gradient_checkpointing_enable → enable_input_require_grads
     out = forward(net)
@@ -129,14 +130,14 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
 
 def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
                  device: str = "cpu", sdpa_backend: str | None = None, kernel_temporaries: bool = False,
-                 blocks: bool = False, checkpointing: bool = False, lora=None, adapter_dtype: str = "fp32"
-                 ) -> list[tuple[int, str, int]]:
+                 blocks: bool = False, checkpointing: bool = False, lora=None, adapter_dtype: str = "fp32",
+                 sp: int = 1) -> list[tuple[int, str, int]]:
     """(±bytes, name, partner) of ``micro_step``'s ledger in the form the trace comparisons use:
     ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an allocation).
     Kernel temporaries (.tmp) and scalars are left out unless ``kernel_temporaries`` (the CUDA comparison,
     memplan.verify.cudatrace); ``blocks``: sizes rounded to the caching allocator's 512-byte blocks."""
     ledger, _ = micro_step(config, batch, seq, dtype, attention, device, sdpa_backend, checkpointing, lora,
-                           adapter_dtype)
+                           adapter_dtype, sp)
     events: list[tuple[int, str, int]] = []
     at: dict[int, int] = {}
     for ev in ledger.events:

@@ -271,11 +271,12 @@ def causal_mask(net: Net, sliding: bool | None = None) -> Tensor | None:
     ag, m, s = net.ag, net.m, net.s
     windowed = m.sliding_window is not None if sliding is None else sliding  # Gemma builds both kinds
     # sdpa skips a window no shorter than the sequence (_ignore_causal_mask_sdpa); eager always builds it
-    window = (m.sliding_window if windowed and (net.attention == "eager" or s.attn_seq >= m.sliding_window)
+    # the model builds its masks over its own tokens (this rank's shard under Ulysses, whose wrapper drops them)
+    window = (m.sliding_window if windowed and (net.attention == "eager" or s.seq >= m.sliding_window)
               else None)
     if net.attention != "eager" and window is None:
         return None
-    S = s.attn_seq
+    S = s.seq
     idx = [ag.empty("mask.batch_arange", INT64 * s.batch), ag.empty("mask.head_arange", INT64)]
     for which in ("q", "kv"):
         raw = ag.empty(f"mask.{which}_arange_raw", INT64 * S)

@@ -201,8 +201,11 @@ class Zero3(Zero3Params):
         bucket = sorted(self.bucket_params, key=lambda kv: self.rank_of[kv[0]])
         self.bucket_params, self.bucket_elements = [], 0
         casts = []
-        if self.comm_b != self.b:  # full_grads_for_rank = [g.to(communication_data_type) ...]
-            casts = [L.alloc("zero3.grad_comm_cast", self.comm_b * self.numel[k], "grad_bucket", s) for k, _ in bucket]
+        if self.comm_b != self.b:  # full_grads_for_rank = [g.to(communication_data_type) ...]: a grad copied into
+            # the IPG bucket (in the communication dtype: __add_grad_to_ipg_bucket's casting copy_) is already
+            # of that dtype (``.to`` returns it); one that kept its own storage is cast
+            casts = [L.alloc("zero3.grad_comm_cast", self.comm_b * self.numel[k], "grad_bucket", s)
+                     for k, kept in bucket if kept is not None]
         single = len(bucket) == 1 and self.numel[bucket[0][0]] % self.n == 0
         if single:  # the one grad (or its cast) is reduce-scattered in place
             flat = casts.pop() if casts else None

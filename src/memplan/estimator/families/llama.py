@@ -78,9 +78,17 @@ def attend(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: A.
     if net.attention == "eager":
         out, weights = A.eager_attention(net, q, k, v, mask, g, dropout=dropout, name=f"{pre}.attn",
                                          q_bshd=bshd[0], k_bshd=bshd[1], v_bshd=bshd[2], softcap=softcap)
+    elif net.s.attn_seq != net.s.seq:  # Ulysses: DeepSpeed's wrapper drops the mask and calls sdpa on full sequences
+        from ..ulysses import ulysses_attention
+
+        out = ulysses_attention(net, q, k, v, g, f"{pre}.attn", lambda q2, k2, v2, gl: A.sdpa_attention(
+            net, q2, k2, v2, None, gl, dropout=dropout, name=f"{pre}.attn", bshd=(False, False, False)))
+        weights = None
     else:
         out, weights = A.sdpa_attention(net, q, k, v, mask, g, dropout=dropout, name=f"{pre}.attn", bshd=bshd), None
-    o_in = ag.view(out)
+    # reshape(*input_shape, -1).contiguous(): Ulysses' [B, S/sp, em] result is a view of [S/sp, B, em] memory
+    o_in = B.clone(ag, out, f"{pre}.attn.out_contiguous") if net.s.attn_seq != net.s.seq and net.s.batch > 1 \
+        else ag.view(out)
     ag.release(out)
     y = net.linear(o_in, f"{pre}.o_proj", m.hidden_size, m.attention_out_bias if out_bias is None else out_bias)
     ag.release(o_in)  # attn_output rebound to o_proj's output
