@@ -373,6 +373,9 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
     seed5 = [json.loads(x) for x in (SAMPLED / "seed5.jsonl").read_text().splitlines()]
     call15 = [json.loads(x) for x in (SAMPLED / "call15.jsonl").read_text().splitlines()]
     assert call15 == sample_call.select(seed5, 60, 1, 1400) and len(call15) == 34  # seed 5's first device call
+    seed6 = [json.loads(x) for x in (SAMPLED / "seed6.jsonl").read_text().splitlines()]
+    call16 = [json.loads(x) for x in (SAMPLED / "call16.jsonl").read_text().splitlines()]
+    assert call16 == sample_call.select(seed6, 60, 1, 1380) and len(call16) == 29  # seed 6's first device call
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
