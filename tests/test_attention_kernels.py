@@ -43,10 +43,13 @@ def no_cudnn(monkeypatch):
 
 
 class _Net:
-    """What sdpa_kernel reads of a Net."""
+    """What sdpa_kernel and grad_copies read of a Net (its shape: one rank holding the whole sequence)."""
 
     def __init__(self, device="cuda", attention="sdpa", backend=None):
+        from memplan.estimator.transformer import Shape
+
         self.device, self.attention, self.sdpa_backend = device, attention, backend
+        self.s = Shape(1, 16, 16, 2)
 
 
 @pytest.mark.parametrize(("b", "head_dim", "mask", "gqa", "expected"), [

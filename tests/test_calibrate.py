@@ -97,9 +97,20 @@ def test_fewer_than_three_rows_is_refused(tmp_path):
 
 # --- the committed matrix ---------------------------------------------------------------------------------
 
+def _figure_said_low(row) -> bool:
+    """The estimate itself says its figure is low for this job (peft's ParamWrapper adapters, not modelled:
+    estimator.measurement_notes): a calibration fitted on it would absorb a known gap."""
+    from memplan.accuracy import job_of_row
+    from memplan.estimator import measurement_notes
+
+    return any("the figure is low" in n for n in measurement_notes(job_of_row(row)))
+
+
 def test_committed_matrix_needs_no_calibration():
-    # a calibration is fitted: on the studied rows only, never on the held-out check split (issue 13)
-    points, envs = points_of([(w, r) for w, r in read_rows([str(ROWS)]) if r.get("split") != "check"])
+    # a calibration is fitted: on the studied rows only, never on the held-out check split (issue 13), and not on
+    # the rows whose estimate already says it is low
+    points, envs = points_of([(w, r) for w, r in read_rows([str(ROWS)])
+                              if r.get("split") != "check" and not (r.get("status") == "ok" and _figure_said_low(r))])
     cal = fit(points, envs, created_at="now", memplan_version="test")
     assert len(cal.rows) >= 40
     for f in (*cal.factors, cal.default):

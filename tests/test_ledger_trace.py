@@ -238,9 +238,9 @@ def test_ulysses_micro_step_matches_cpu_trace(tiny, batch, seq, sp, checkpointin
                          check=False, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert run.returncode == 0, run.stderr[-2000:]
-    real = [tuple(e) for e in json.loads(run.stdout.strip().splitlines()[-1])]
-    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype="bf16", attention="sdpa", device="cpu",
-                                         checkpointing=checkpointing, sp=sp)
+    out = json.loads(run.stdout.strip().splitlines()[-1])  # both sides from one interpreter (set order)
+    real, predicted = ([tuple(e) for e in out[k]] for k in ("real", "predicted"))
+    assert len(real) > 100
     first = model_check.first_mismatch(real, predicted)
     assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")

@@ -6,7 +6,10 @@ memplan.verify.cputrace records a plain micro-step.
 
 register_with_transformers replaces transformers' attention function for the whole process and the process
 group is global, so each recording runs in its own interpreter: ``python -m memplan.verify.cputrace_ulysses
-'<json args>'`` prints the events as JSON (tests/test_ledger_trace.py). Imports torch inside functions only.
+'<json args>'`` prints ``{"real": events, "predicted": events}`` as JSON, the estimator's
+(memplan.estimator.model_check.model_events) computed in the same interpreter, since Gemma 3's RoPE tables are
+made in set(layer_types)'s order, which string hashing makes per-interpreter (tests/test_ledger_trace.py).
+Imports torch inside functions only.
 """
 
 from __future__ import annotations
@@ -54,8 +57,14 @@ def record_ulysses(config: dict, batch: int, seq: int, sp: int, attention: str =
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..estimator import model_check
+
     args = json.loads((argv or sys.argv[1:])[0])
-    print(json.dumps(record_ulysses(**args)))
+    real = record_ulysses(**args)
+    predicted = model_check.model_events(args["config"], batch=args["batch"], seq=args["seq"], dtype="bf16",
+                                         attention=args.get("attention", "sdpa"), device="cpu",
+                                         checkpointing=args.get("checkpointing", False), sp=args["sp"])
+    print(json.dumps({"real": real, "predicted": predicted}))
     return 0
 
 
