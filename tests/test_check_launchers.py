@@ -175,3 +175,23 @@ def test_host_ram_beyond_the_node_is_a_finding(seed_ds):
     roomy = run(seed_ds, CORRECTED + " --no-pipeline-parallel", "176b",
                 budget=BudgetRequest(gpu="a100-80g", host_ram_bytes=8 * 2**40))
     assert "--host-ram" not in findings(roomy, "warning")
+
+
+def test_ulysses_refuses_a_mixtral_config_without_head_dim():
+    """MixtralConfig keeps head_dim None when config.json has none; UlyssesSPAttentionHF reads config.head_dim and
+    raises (measured: seed 1's s1-042 row failed so at init). A config giving head_dim, or another family, passes;
+    plan skips the layout (check_problem)."""
+    from memplan.check.rules_job import Layout, model_shape_rules
+    from memplan.hfconfig import model_from_config
+    from memplan.plan.space import check_problem
+    from memplan.presets import load_model
+
+    mixtral = load_model("mixtral-8x7b")
+    assert mixtral.config_head_dim_unset and not load_model("mistral-7b").config_head_dim_unset
+    lay = Layout(world=8, sp=4, sp_intended=4)
+    assert any("head_dim" in f.message for f in model_shape_rules(mixtral, lay, 32768) if f.severity == "error")
+    assert not any("head_dim" in f.message for f in model_shape_rules(mixtral, Layout(world=8), 32768))
+    cfg = json.loads((Path(__file__).resolve().parent.parent / "models" / "mixtral-8x7b.json").read_text())
+    fixed = model_from_config({**cfg, "head_dim": 128}, "mixtral-8x7b", "test")
+    assert not any("head_dim" in f.message for f in model_shape_rules(fixed, lay, 32768))
+    assert "head_dim" in (check_problem(mixtral, 32768, 8, 1, 1, 4) or "")

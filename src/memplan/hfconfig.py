@@ -125,6 +125,9 @@ def _llama_like(k: Keys) -> dict:
         "mlp_bias": k.family == "llama" and k.bool("mlp_bias"), "qk_norm": k.family == "qwen3",
         "attention_dropout": k.prob("attention_dropout"),  # *Attention: dropout on the probabilities only
         "pad_token_id": k.padding_idx(k.int("vocab_size")),  # LlamaModel etc.: nn.Embedding(..., padding_idx)
+        # MixtralConfig keeps head_dim=None when config.json gives none (MixtralAttention falls back to
+        # hidden // heads; code that reads config.head_dim itself gets None)
+        "config_head_dim_unset": k.family == "mixtral" and k.opt_int("head_dim") is None,
         # MistralConfig / MixtralConfig: sliding_window; Qwen2/3Config: only with use_sliding_window
         "sliding_window": (k.opt_int("sliding_window") if k.family in ("mistral", "mixtral")
                            or (k.family in ("qwen2", "qwen3") and k.bool("use_sliding_window")) else None),

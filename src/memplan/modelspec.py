@@ -53,6 +53,9 @@ class ModelSpec(BaseModel):
     hidden_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention and MLP outputs (gpt2 resid_pdrop)")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the attention probabilities (gpt2 attn_pdrop)")
     embedding_dropout: float = Field(0.0, ge=0, lt=1, description="dropout after the embeddings (gpt2 embd_pdrop)")
+    config_head_dim_unset: bool = Field(False, description="the transformers config's head_dim attribute is None "
+                                        "(MixtralConfig without a head_dim in config.json): code reading "
+                                        "config.head_dim gets None (DeepSpeed's UlyssesSPAttentionHF)")
     sliding_window: int | None = Field(None, gt=0, description="sliding-window attention span; None: off; with "
                                        "layer_types only the sliding_attention layers use it")
     num_experts: int = Field(0, ge=0, description="routed MoE experts per MoE layer (0: dense)")

@@ -143,6 +143,12 @@ def model_shape_rules(m: ModelSpec, lay: Layout, seq: int | None, megatron: bool
         out.append(error(sp_flag, f"kv heads ({kv}) and sp ({sp}): UlyssesSPAttentionHF (runtime/sequence_parallel/"
                          "ulysses_sp.py) needs one to divide the other (kv heads split over the sp ranks, or "
                          "replicated when sp is a multiple of them)"))
+    if sp > 1 and not megatron and m.config_head_dim_unset:
+        out.append(error(sp_flag, f"{m.family}'s config leaves head_dim None: UlyssesSPAttentionHF.register_with_"
+                         "transformers reads getattr(config, 'head_dim', hidden // heads), gets None and raises a "
+                         "TypeError building its shapes (DeepSpeed 0.19.8; measured: benchmarks/accuracy/"
+                         "rows-sampled-seed1-h200-1.jsonl s1-042)",
+                         f"set head_dim ({m.hidden_size // m.num_heads}) in config.json, or sp 1"))
     if seq and sp > 1 and seq % sp:
         out.append(error("--seq-length" if megatron else "--seq", f"seq ({seq}) not divisible by sp ({sp}) ("
                          + ("pretrain_gpt.py get_batch asserts seq_length % seq_parallel_world_size == 0)" if megatron
