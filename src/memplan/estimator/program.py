@@ -4,7 +4,10 @@
 built on the GPU (one allocation per parameter, in module order), ``deepspeed.initialize`` wraps it (the ZeRO
 stage's engine model: zero0.py, zero12.py, zero3.py), then ``steps`` optimizer steps of ``grad_accum``
 micro-steps, each a forward (families/), ``engine.backward`` and ``engine.step``. Phase marks carry verify's
-names ("init", "step1.micro0.forward", …), so measured and predicted phases line up.
+names ("init", "step1.micro0.forward", …), so measured and predicted phases line up. With LoRA, peft's adapters are
+built after the base (estimator/peft_linear.py: moved to the base's device and dtype, made fp32) and cast to the
+training dtype by deepspeed.initialize, except under zero.Init (ZeRO-3), which partitions them in fp32; only the
+trainable parameters (lora.train_set) reach the optimizer.
 
 The loop (TrainingSpec.loop: memplan.verify's DeepSpeed loop keeping ``outputs`` or the ``loss``, or
 transformers' Trainer) is estimator/loop.py: its inputs, scalars, what its Python code keeps, and which phases
