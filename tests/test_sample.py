@@ -376,6 +376,10 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
     seed6 = [json.loads(x) for x in (SAMPLED / "seed6.jsonl").read_text().splitlines()]
     call16 = [json.loads(x) for x in (SAMPLED / "call16.jsonl").read_text().splitlines()]
     assert call16 == sample_call.select(seed6, 60, 1, 1380) and len(call16) == 29  # seed 6's first device call
+    names5 = frozenset(json.loads(x)["name"] for x in
+                       (SAMPLED.parent / "rows-sampled-seed5-h200-1.jsonl").read_text().splitlines())
+    call17 = [json.loads(x) for x in (SAMPLED / "call17.jsonl").read_text().splitlines()]
+    assert call17 == sample_call.select(seed5, 120, 1, 1400, names5) and len(call17) == 32  # seed 5's second call
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
