@@ -70,13 +70,11 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
 
 
 def _engine(L: Ledger, job: Job, trainable, places: Places):
-    from .peft_linear import adapter_tensors
+    from .lora import job_train_set
 
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
     # named_parameters() order: each adapter after its base layer's weight (lora.train_set)
-    from .lora import job_train_set
-
     every = [(p.name, p.numel) for p, _ in job_train_set(t, job.model).tensors]
     names = [k for k, _ in every if trainable(k)]
     numels = [n for k, n in every if trainable(k)]
