@@ -5,7 +5,7 @@
 # Builds DeepSpeed's JIT ops in parallel (or unpacks .ds_ops.tgz when carried), runs the Megatron matrix beside
 # the verify batch, and leaves rows, compact allocation traces, the built ops and logs under $OUT.
 set -u
-matrix=$1; deadline=$2; mega=${3:-}
+matrix=$1; deadline=$2; mega=${3:-}; workers=${WORKERS:-12}  # WORKERS: concurrent jobs (fewer: less GPU sharing)
 t0=$(date +%s)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ds_ops
@@ -26,7 +26,7 @@ fi
 for p in "${pids[@]}"; do wait "$p"; done
 echo "ops built at $(( $(date +%s) - t0 )) s: $(ls /tmp/ds_ops)"
 left=$(( deadline - ($(date +%s) - t0) ))
-python3 -m memplan.verify.batch "$matrix" --out /tmp/b --workers 12 --gpu-budget-gib $([ -n "$mega" ] && echo 96 || echo 128) \
+python3 -m memplan.verify.batch "$matrix" --out /tmp/b --workers "$workers" --gpu-budget-gib $([ -n "$mega" ] && echo 96 || echo 128) \
   --host-budget-gib 90 --node-gpus 1 --deadline "$left" --no-prebuild > /tmp/batch.log 2>&1
 [ -n "$mega" ] && wait "$mpid"
 cp /tmp/b/rows.jsonl $OUT/rows.jsonl 2>/dev/null

@@ -128,6 +128,7 @@ def compact_trace(snapshot: dict, *, device: int = 0, keep_frames: int = 1, max_
     size: list[int] = []
     stream: list[int] = []
     frame: list[int] = []
+    time_us: list[int] = []  # the event's time_us (the free_requested's for a FREE), from the first event's
     empty_cache_at: list[int] = []
     frameless: list[int] = []  # segment releases recorded without a stack (context=None)
     k = 0
@@ -152,6 +153,8 @@ def compact_trace(snapshot: dict, *, device: int = 0, keep_frames: int = 1, max_
         size.append(int(e.get("size", 0)))
         stream.append(streams_tab.setdefault(int(e.get("stream", 0)), len(streams_tab)))
         frame.append(frames_tab.setdefault(label, len(frames_tab)) if label else -1)
+        time_us.append(int(e.get("time_us", 0)))
+    time_us = [t - time_us[0] for t in time_us] if time_us else []
     empty_cache_at = sorted(empty_cache_at + _releases_outside_malloc(act, frameless))
     segs = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
     out = {
@@ -160,6 +163,7 @@ def compact_trace(snapshot: dict, *, device: int = 0, keep_frames: int = 1, max_
         "raw_events": len(raw), "max_entries": max_entries,
         "action": act, "addr": addr, "size": size, "stream": stream, "frame": frame,
         "frames": list(frames_tab), "streams": list(streams_tab), "empty_cache_at": empty_cache_at,
+        "time_us": time_us,
         "segments_end": [[int(s["address"]), int(s["total_size"]), int(s.get("allocated_size", 0)),
                           int(s.get("stream", 0)), s.get("segment_type", "large") == "large",
                           bool(s.get("is_expandable", False))] for s in segs],
