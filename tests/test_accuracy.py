@@ -54,11 +54,10 @@ MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 12, "check": 20}
 #: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
 _RESERVED_LEDGER = ("the simulator's reserved is under the measured one on ZeRO-3 jobs with 1-2 GB gathered weights "
                     "and on several ZeRO-1/2 Qwen rows (fragmentation across streams not reproduced yet, issue 12)")
-_PHASES = ("jobs outside the ledger (pp, tp, the MoE auxiliary loss, Ulysses on GPT-2 / NeoX or under the Trainer, "
-           "and LoRA that peft routes through lora.ParamWrapper: DeepSeek-V3 / Mixtral all-linear adapts the fused "
-           "experts): the phase lists miss tensors there and do not simulate the allocator")
+_PHASES = ("jobs outside the ledger (pp, tp, the MoE auxiliary loss, Ulysses on GPT-2 / NeoX or under the Trainer): "
+           "the phase lists miss tensors there and do not simulate the allocator")
 _CHECK = ("the held-out split is judged, never studied: its median holds; its worst rows (not inspected, issue 13) "
-          "are where the tuned rows are off too: ParamWrapper LoRA on the phase lists, and the reserved figure "
+          "are where the tuned rows are off too: pipeline parallelism on the phase lists, and the reserved figure "
           "(ZeRO-3's cross-stream frees, issue 12)")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("tuned-ledger", "allocated worst"): ("GPT-2-style stacks at 12288 width under ZeRO-3 with checkpointing: s4-099 "

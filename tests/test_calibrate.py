@@ -98,7 +98,7 @@ def test_fewer_than_three_rows_is_refused(tmp_path):
 # --- the committed matrix ---------------------------------------------------------------------------------
 
 def _figure_said_low(row) -> bool:
-    """The estimate itself says its figure is low for this job (peft's ParamWrapper adapters, not modelled:
+    """The estimate itself says its figure is low for this job (peft's ParamWrapper under ZeRO-3, not modelled:
     estimator.measurement_notes): a calibration fitted on it would absorb a known gap."""
     from memplan.accuracy import job_of_row
     from memplan.estimator import measurement_notes

@@ -200,6 +200,68 @@ def test_lora_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, c
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
 
 
+#: LoRA that peft 0.21 routes through lora.ParamWrapper (estimator/peft_param.py): the MoE families' router weight
+#: and fused experts (all-linear, or the expert projections by name), with and without checkpointing, fp32 or
+#: 16-bit adapters: (TINY config, checkpointing, targets, rank, adapter dtype)
+PARAM_WRAPPER_CASES = [
+    ("mixtral", False, ("all-linear",), 8, "fp32"),
+    ("mixtral", True, ("all-linear",), 8, "fp32"),
+    ("mixtral", False, ("all-linear",), 4, "bf16"),
+    ("mixtral", True, ("all-linear",), 16, "bf16"),
+    ("mixtral", False, ("q_proj", "w2"), 8, "fp32"),
+    ("mixtral_top1", False, ("all-linear",), 8, "fp32"),
+    ("qwen3_moe", False, ("all-linear",), 8, "fp32"),
+    ("qwen3_moe_unnormed", True, ("all-linear",), 8, "bf16"),
+    ("deepseek_v3", False, ("all-linear",), 8, "fp32"),
+    ("deepseek_v3", True, ("kv_b_proj", "down_proj", "gate_proj", "up_proj"), 8, "bf16"),
+    ("deepseek_v3_plain", True, ("all-linear",), 4, "bf16"),
+]
+
+
+@pytest.mark.parametrize(("tiny", "checkpointing", "targets", "rank", "adapter_dtype"), PARAM_WRAPPER_CASES)
+def test_param_wrapper_micro_step_matches_cpu_trace(tiny, checkpointing, targets, rank, adapter_dtype):
+    """peft's lora.ParamWrapper event for event: the proxy's factors (or the router's delta), the registration's
+    check evaluation, the cached baddbmm of each expert stack (or W + delta) saved by what reads it, the cache
+    emptied as the outermost wrapper returns, and BaddbmmBackward0's grads with the reshape copy for lora_B."""
+    peft = pytest.importorskip("peft")
+    from memplan.specs import LoraSpec
+
+    cfg = model_check.TINY[tiny]
+    model = cputrace.tiny_causal_lm(cfg, "bf16", "sdpa")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = peft.LoraConfig(r=rank, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules="all-linear" if targets == ("all-linear",) else list(targets))
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype == "fp32")
+    real = cputrace.net_events(cputrace.record(cputrace.micro_step(model, 2, 32, cfg["vocab_size"])))
+    predicted = model_check.model_events(cfg, batch=2, seq=32, dtype="bf16", attention="sdpa", device="cpu",
+                                         checkpointing=checkpointing, adapter_dtype=adapter_dtype,
+                                         lora=LoraSpec(rank=rank, alpha=16, targets=targets))
+    first = model_check.first_mismatch(real, predicted)
+    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
+                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+
+
+def test_param_wrapper_trainable_parameters_are_peft_s():
+    """The adapters peft adds through lora.ParamWrapper, by name and shape in named_parameters() order, and the
+    dense MLPs / shared experts it leaves alone (its MoE conversion moves gate_proj / up_proj / down_proj to
+    target_parameters): lora.train_set against get_peft_model on the tiny MoE configs."""
+    peft = pytest.importorskip("peft")
+    from memplan.estimator.lora import train_set
+    from memplan.hfconfig import model_from_config
+    from memplan.specs import LoraSpec
+
+    for tiny in ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_plain"):
+        spec = model_from_config(dict(model_check.TINY[tiny]), "tiny", "tiny test config")
+        ts = train_set(spec, LoraSpec(rank=4, alpha=16, targets=("all-linear",)), ())
+        mine = [(t.name, tuple(t.shape)) for t, trains in ts.tensors if trains]
+        model = peft.get_peft_model(cputrace.tiny_causal_lm(model_check.TINY[tiny], "bf16", "sdpa"),
+                                    peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
+        theirs = [(n.removeprefix("base_model.model."), tuple(p.shape)) for n, p in model.named_parameters()
+                  if p.requires_grad]
+        assert mine == theirs, tiny
+
+
 #: Ulysses sequence parallelism (estimator/ulysses.py): (TINY config, batch, seq, sp, checkpointing, extra config).
 #: sp 4 over 2 kv heads replicates them; a batch of one and one local head make some copies views
 ULYSSES_CASES = [

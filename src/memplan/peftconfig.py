@@ -108,12 +108,49 @@ def parameter_wrapper_targets(family: str, targets: tuple[str, ...]) -> tuple[st
     return tuple(t for t in targets if any(module_matches(t, n) for n in names))
 
 
+#: the transformers-5 parameters peft wraps for each mapped name (peft's _MOE_TARGET_MODULE_MAPPING values,
+#: matched against named_parameters by suffix), in the order the block registers them
+_WRAPPED = {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "gate_proj": "gate_up_proj",
+            "up_proj": "gate_up_proj", "w2": "down_proj", "down_proj": "down_proj"}
+
+
+def wrapped_parameters(family: str, targets: tuple[str, ...]) -> frozenset[str]:
+    """The parameter suffixes ("gate.weight", "gate_up_proj", "down_proj") peft adapts through lora.ParamWrapper
+    on this family for these targets (peft's _convert_peft_config_moe moves each mapped name into
+    target_parameters)."""
+    return frozenset(_WRAPPED[t.rsplit(".", 1)[-1]] for t in parameter_wrapper_targets(family, targets))
+
+
+def adapted_linears(family: str, targets: tuple[str, ...], linear_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The linears peft wraps in lora.Linear: resolve_targets' choice less, on the MoE families above, the
+    linears whose target _convert_peft_config_moe moved to target_parameters (it removes a mapped name from
+    target_modules, so the dense MLPs and shared experts named gate_proj / up_proj / down_proj are not adapted:
+    measured by listing get_peft_model's parameters on tiny DeepSeek-V3 and Qwen3-MoE configs)."""
+    chosen = resolve_targets(family, targets, linear_modules)
+    mapped = MOE_PARAMETER_TARGETS.get(family)
+    if not mapped:
+        return chosen
+    wanted = [t for t in targets if t != ALL_LINEAR and not any(module_matches(t, n) for n in mapped)]
+    if ALL_LINEAR in targets:
+        return tuple(m for m in chosen if m.rsplit(".", 1)[-1] not in mapped)
+    return tuple(m for m in chosen if any(module_matches(m, t) for t in wanted))
+
+
 def check_adapter_options(family: str, targets: tuple[str, ...], dropout: float) -> None:
     """ValueError for adapter settings peft refuses at get_peft_model: lora.ParamWrapper.__init__ raises
     "lora.ParamWrapper does not work with lora_dropout != 0" (peft/tuners/lora/layer.py), and on the MoE families
     above "all-linear" or an expert projection's name reaches it (measured: benchmarks/accuracy/
     rows-sampled-seed3-h200-1.jsonl s3-011, tinymixtral all-linear with dropout 0.05)."""
     wrapped = parameter_wrapper_targets(family, targets)
+    leaves = {t.rsplit(".", 1)[-1] for t in wrapped}
+    for pair in (("w1", "w3"), ("gate_proj", "up_proj")):
+        if ALL_LINEAR not in targets and len(leaves & set(pair)) == 1:
+            have = (leaves & set(pair)).pop()
+            other = pair[1] if have == pair[0] else pair[0]
+            # _convert_peft_config_moe: "Cannot convert PEFT target(s) … without also targeting … because they
+            # are fused into gate_up_proj"
+            raise ValueError(f"peft fuses {family}'s {pair[0]} and {pair[1]} into experts.gate_up_proj: target "
+                             f"{other} too, or neither")
     if dropout > 0 and wrapped:
         v5 = sorted({_V5_NAMES.get(t.rsplit(".", 1)[-1], t) for t in wrapped})
         raise ValueError(f"peft adapts {family}'s {', '.join(v5)} through lora.ParamWrapper, which refuses "
@@ -141,7 +178,9 @@ def resolve_targets(family: str, targets: tuple[str, ...], linear_modules: tuple
     if ALL_LINEAR in targets:
         return tuple(m for m in linear_modules if not m.endswith(("lm_head", "embed_out")))
     chosen = tuple(m for m in linear_modules if any(module_matches(m, t) for t in targets))
-    missing = [t for t in targets if not any(module_matches(m, t) for m in linear_modules)]
+    mapped = MOE_PARAMETER_TARGETS.get(family, ())  # peft maps these to parameters (wrapped_parameters)
+    missing = [t for t in targets if not any(module_matches(m, t) for m in linear_modules)
+               and not any(module_matches(t, n) for n in mapped)]
     if missing:
         leaves = sorted({m.rsplit(".", 1)[-1] for m in linear_modules})
         raise ValueError(f"LoRA target {shorten(missing[0])} is not a linear module of this model; allowed: "

@@ -57,15 +57,17 @@ def _sequence_parallel_modelled(job: Job) -> bool:
 
 def _adapter_modelled(job: Job) -> bool:
     """No adapter, or LoRA on linears as the ledger runs it (estimator/peft_linear.py: bias "none", no
-    modules_to_save, no DoRA), and nothing peft adapts through lora.ParamWrapper (MoE routers and fused
-    experts: peftconfig.parameter_wrapper_targets)."""
+    modules_to_save, no DoRA); what peft adapts through lora.ParamWrapper (MoE routers and fused experts:
+    estimator/peft_param.py) under ZeRO 0–2 only (ZeRO-3's hooks around the parametrised experts are not
+    ported)."""
     lora = job.training.lora
     if lora is None:
         return True
     from ..peftconfig import parameter_wrapper_targets
     from .peft_linear import ledger_models
 
-    return ledger_models(lora) and not parameter_wrapper_targets(job.model.family, lora.targets)
+    return ledger_models(lora) and (job.training.zero.stage < 3
+                                    or not parameter_wrapper_targets(job.model.family, lora.targets))
 
 
 def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2, mask_dropped: bool = False) -> bool:
@@ -225,9 +227,9 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
             check_adapter_options(job.model.family, t.lora.targets, t.lora.dropout)
         except ValueError as err:
             notes.append(f"this adapter does not start: {err} (memplan check reports it as an error)")
-        if parameter_wrapper_targets(job.model.family, t.lora.targets):
-            notes.append("peft adapts the router and the fused experts through lora.ParamWrapper here: their "
-                         "adapters and the parametrised expert weights are not modelled yet (the figure is low)")
+        if parameter_wrapper_targets(job.model.family, t.lora.targets) and z.stage == 3:
+            notes.append("peft adapts the router and the fused experts through lora.ParamWrapper here: under "
+                         "ZeRO-3 their parametrised expert weights are not modelled yet (the figure is low)")
     return tuple(notes)
 
 

@@ -49,6 +49,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     # parameter: no bytes, but a saved tensor a checkpoint's recompute is triggered by) for the input's
     saved = ((x,) if weight.requires_grad or keeps_input else ()) + ((weight,) if x.requires_grad or keeps_input
                                                                     else ())
+    if weight.param is None and not keeps_input:  # a computed weight (peft's ParamWrapper): MmBackward0
+        saved = saved[::-1]  # releases mat2_ (the weight) before self_; a parameter's release frees no bytes
     if ag.before_matmul is not None:  # the first cuBLAS call creates its handle's workspaces
         hook, ag.before_matmul = ag.before_matmul, None
         hook()

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..params import ParamTensor, Role, frozen_names, linear_modules, parameter_tensors
-from ..peftconfig import module_matches, resolve_targets
+from ..peftconfig import adapted_linears, module_matches, wrapped_parameters
 from ..specs import LoraSpec, ModelSpec, TrainingSpec
 from .activations import DROPOUT_MASK_BYTES, Term
+from .peft_param import Wrapped
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,8 @@ class TrainSet:
 
     tensors: tuple[tuple[ParamTensor, bool], ...]
     adapted: tuple[ParamTensor, ...]  # the base weight of each adapted linear
+    #: the parameters peft adapts through lora.ParamWrapper: (base parameter name, its Wrapped)
+    wrapped: tuple[tuple[str, Wrapped], ...] = ()
 
     @property
     def trainable_params(self) -> int:
@@ -68,7 +71,10 @@ def train_set(model: ModelSpec, lora: LoraSpec | None, freeze: tuple[str, ...]) 
     if lora is None:
         frozen = frozen_names(model, freeze) if freeze else frozenset()
         return TrainSet(tuple((t, t.name not in frozen) for t in base), ())
-    adapted = set(resolve_targets(model.family, lora.targets, linear_modules(model)))
+    adapted = set(adapted_linears(model.family, lora.targets, linear_modules(model)))
+    suffixes = wrapped_parameters(model.family, lora.targets)
+    wrapped: list[tuple[str, Wrapped]] = []
+    pending: list[ParamTensor] = []  # this module's wrapped parameters, in registration order
     saved = tuple(lora.modules_to_save)
     out: list[tuple[ParamTensor, bool]] = []
     weights: list[ParamTensor] = []
@@ -81,6 +87,13 @@ def train_set(model: ModelSpec, lora: LoraSpec | None, freeze: tuple[str, ...]) 
             copies.append((ParamTensor(f"{module}.modules_to_save.{t.name[len(module) + 1:]}", t.shape, t.layer,
                                        t.role), True))
         last_of_module = i + 1 == len(base) or base[i + 1].name.rsplit(".", 1)[0] != module
+        if any(t.name.endswith("." + x) for x in suffixes):
+            pending.append(t)
+        if pending and last_of_module:
+            for w in _param_wrappers(module, pending, lora):
+                wrapped.append(w)
+                out += _wrapper_adapters(w[1], t)
+            pending = []
         if module in adapted and last_of_module:
             w = next(x for x in base if x.name == f"{module}.weight")
             weights.append(w)
@@ -92,7 +105,33 @@ def train_set(model: ModelSpec, lora: LoraSpec | None, freeze: tuple[str, ...]) 
         if copies and last_of_module:
             out += copies
             copies = []
-    return TrainSet(tuple(out), tuple(weights))
+    return TrainSet(tuple(out), tuple(weights), tuple(wrapped))
+
+
+def _scaling(lora: LoraSpec, rank: int, alpha: float) -> float:
+    """LoraLayer.update_layer: lora_alpha / r, or / sqrt(r) with use_rslora."""
+    return alpha / rank ** 0.5 if lora.use_rslora else alpha / rank
+
+
+def _param_wrappers(module: str, params: list[ParamTensor], lora: LoraSpec) -> list[tuple[str, Wrapped]]:
+    """The ParamWrappers of one module's targeted parameters: peft wraps the first innermost, so the k-th of n
+    lives at ``module`` + ".base_layer" × (n − 1 − k). The fused gate_up_proj gets r and lora_alpha doubled
+    (_convert_peft_config_moe's rank_pattern and alpha_pattern)."""
+    out = []
+    for k, t in enumerate(params):
+        fused = 2 if t.name.endswith(".gate_up_proj") else 1
+        rank = lora.rank * fused
+        out.append((t.name, Wrapped(module + ".base_layer" * (len(params) - 1 - k), tuple(t.shape), rank,
+                                    _scaling(lora, rank, lora.alpha * fused))))
+    return out
+
+
+def _wrapper_adapters(w: Wrapped, t: ParamTensor) -> list[tuple[ParamTensor, bool]]:
+    """lora_A and lora_B of a ParamWrapper (ParamWrapper.update_layer: nn.Linear(in, r·E) and nn.Linear(r·E,
+    out)); a 3-D expert stack is stored (E, out, in) and a 2-D weight (out, in)."""
+    e, out_f, in_f = w.shape if len(w.shape) == 3 else (1, *w.shape)
+    return [(ParamTensor(f"{w.module}.lora_A.default.weight", (w.rank * e, in_f), t.layer, t.role), True),
+            (ParamTensor(f"{w.module}.lora_B.default.weight", (out_f, w.rank * e), t.layer, t.role), True)]
 
 
 def job_train_set(training: TrainingSpec, model: ModelSpec) -> TrainSet:

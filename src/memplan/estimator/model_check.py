@@ -113,7 +113,8 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
         ts = train_set(spec, lora, ())
         trains = {t.name: tr for t, tr in ts.tensors}
         adapters = tuple((t.name, t.numel * ab) for t, tr in ts.tensors if ".lora_" in t.name)
-        params = Params(ag, spec, b, lambda name: trains.get(name, False), adapters, ab, lora.rank, lora.dropout)
+        params = Params(ag, spec, b, lambda name: trains.get(name, False), adapters, ab, lora.rank, lora.dropout,
+                        ts.wrapped)
     layer_fn = nonreentrant(ag) if checkpointing else None
     net = Net(ag, spec, Shape(batch, seq // sp, seq, b, positions_given=sp > 1), params, layer_fn=layer_fn, attention=attention, device=device,
               dtype=dtype, sdpa_backend=sdpa_backend)

@@ -111,6 +111,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     a ledger that receives the rank's host allocations (estimator/places.py); ``cpu_run``: the allocations of
     a DS_ACCELERATOR=cpu run instead, host and device in one ledger (the CPU trace comparison)."""
     from .loop import TrainerLoop, make_loop
+    from .lora import job_train_set
 
     skipped = frozenset(skipped)
     t = job.training
@@ -160,7 +161,8 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     ab = _adapter_bytes(job)
     lora = t.lora
     params = Params(ag, job.model, dtype_bytes(t.dtype), trainable, tuple((k, n * ab) for k, n in adapters), ab,
-                    lora.rank if lora else 0, lora.dropout if lora else 0.0)
+                    lora.rank if lora else 0, lora.dropout if lora else 0.0,
+                    job_train_set(t, job.model).wrapped if lora else None)
     s = shape(job)
     layer_fn = None
     if t.checkpointing == "full":

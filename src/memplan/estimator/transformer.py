@@ -44,10 +44,10 @@ class Shape:
 class Params:
     """The model's parameters as autograd leaves (their bytes live in the model states, not here). ``adapters``:
     LoRA's A and B weights ((name, bytes), estimator/peft_linear.py), trained, with the adapters' dtype bytes,
-    rank and dropout."""
+    rank and dropout; ``wrapped``: the parameters peft wraps in lora.ParamWrapper (lora.TrainSet.wrapped)."""
 
     def __init__(self, ag: Autograd, model: ModelSpec, b: int, trainable, adapters: tuple[tuple[str, int], ...] = (),
-                 adapter_bytes: int = 0, lora_rank: int = 0, lora_dropout: float = 0.0):
+                 adapter_bytes: int = 0, lora_rank: int = 0, lora_dropout: float = 0.0, wrapped=None):
         from ..params import parameter_tensors
 
         self.by_name: dict[str, Tensor] = {}
@@ -59,6 +59,8 @@ class Params:
             self.by_name[name] = ag.param(name, nbytes, True)
         self.adapted = {name.split(".lora_A.")[0] for name, _ in adapters if ".lora_A." in name}
         self.adapter_bytes, self.lora_rank, self.lora_dropout = adapter_bytes, lora_rank, lora_dropout
+        #: parameters peft adapts through lora.ParamWrapper (estimator/peft_param.py): name → Wrapped
+        self.wrapped = dict(wrapped or {})
         #: the input embeddings (get_input_embeddings: the module of the first parameter)
         self.embedding_module = next(iter(self.by_name)).rsplit(".", 1)[0]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from .. import blocks as B
 from .. import blocks_attention as A
 from .. import blocks_moe as M
+from .. import peft_param as PW
 from ..autograd import Tensor
 from ..transformer import Net, Output
 from . import llama, mixtral
@@ -138,16 +139,16 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
     return y, weights
 
 
-def _router(net: Net, x: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+def _router(net: Net, x: Tensor, i: int, read=None) -> tuple[Tensor, Tensor, Tensor]:
     """DeepseekV3TopkRouter.forward on x [T, h] (see the module docstring). Returns (router_logits,
-    topk_weights, topk_indices)."""
+    topk_weights, topk_indices). ``read``: how it reads self.weight (peft_param.reader)."""
     ag, m, s = net.ag, net.m, net.s
     pre, t, e, k, h = f"model.layers.{i}.mlp.gate", s.tokens, m.num_experts, m.num_experts_per_tok, m.hidden_size
-    w = net.p[f"{pre}.weight"]
     groups = m.n_group or 1
     xr = ag.view(x)  # hidden_states.view(-1, hidden_dim)
     x32 = B.to_dtype(ag, xr, B.FP32 * t * h, f"{pre}.input_fp32")
     ag.release(xr)
+    w = (read or net.p.__getitem__)(f"{pre}.weight")  # F.linear(x.type(fp32), self.weight.type(fp32))
     w32 = B.to_dtype(ag, w, B.FP32 * e * h, f"{pre}.weight_fp32")
     def linear_backward(ctx, grad, node):  # MmBackward0: mat2's grad (w32.t()'s, a view), then self's
         gw = ctx.new(f"grad.{pre}.weight_fp32", w32.nbytes, view=True) if w32.requires_grad else None
@@ -218,10 +219,14 @@ def _moe(net: Net, x: Tensor, i: int) -> Tensor:
     and topk_indices die as it returns."""
     ag, m, p = net.ag, net.m, net.p
     pre = f"model.layers.{i}.mlp"
-    logits, weights, index = net.module(f"{pre}.gate", lambda z: _router(net, z, i), x,
+    acts = PW.activations(net, (f"{pre}.gate.weight",))  # peft's lora.ParamWrapper (peft_param.py)
+    read = PW.reader(net, acts)
+    logits, weights, index = net.module(f"{pre}.gate",
+                                        lambda z: PW.run_wrapped(net, acts, lambda: _router(net, z, i, read)), x,
                                         params=(p[f"{pre}.gate.weight"],), hooked=1)
     flat = ag.view(x)
-    routed = net.module(f"{pre}.experts", lambda z, w: mixtral.experts(net, z, w, index, i, B.FP32), flat, weights,
+    routed = net.module(f"{pre}.experts", lambda z, w: mixtral.wrapped_experts(net, z, w, index, i, B.FP32), flat,
+                        weights,
                         params=(p[f"{pre}.experts.gate_up_proj"], p[f"{pre}.experts.down_proj"]))
     ag.release(flat)
     rv = ag.view(routed)  # .view(*orig_shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .. import blocks as B
 from .. import blocks_moe as M
+from .. import peft_param as PW
 from ..autograd import Tensor
 from ..transformer import Net, Output
 from . import llama
@@ -22,17 +23,20 @@ def router(net: Net, x: Tensor, i: int, renormalize: bool = True, weight_bytes: 
     weights are what gradients reach. Qwen3MoeTopKRouter is the same code with the division only when
     norm_topk_prob (``renormalize``) and the weights cast to the logits' dtype (``weight_bytes``: a copy unless
     that is fp32; Mixtral's stay fp32)."""
-    w = net.p[f"model.layers.{i}.mlp.gate.weight"]
-    return net.module(f"model.layers.{i}.mlp.gate", lambda z: _router(net, z, w, i, renormalize, weight_bytes),
-                      x, params=(w,), hooked=1)
+    name = f"model.layers.{i}.mlp.gate.weight"
+    acts = PW.activations(net, (name,))  # peft's lora.ParamWrapper on the router's weight (peft_param.py)
+    read = PW.reader(net, acts)
+    return net.module(f"model.layers.{i}.mlp.gate",
+                      lambda z: PW.run_wrapped(net, acts, lambda: _router(net, z, read, i, renormalize, weight_bytes)),
+                      x, params=(net.p[name],), hooked=1)
 
 
-def _router(net: Net, x: Tensor, w: Tensor, i: int, renormalize: bool, weight_bytes: int
+def _router(net: Net, x: Tensor, read, i: int, renormalize: bool, weight_bytes: int
             ) -> tuple[Tensor, Tensor, Tensor]:
     ag, m, s = net.ag, net.m, net.s
     pre, t, e, k = f"model.layers.{i}.mlp.gate", s.tokens, m.num_experts, m.num_experts_per_tok
     xr = ag.view(x)  # hidden_states.reshape(-1, hidden_dim): a view node of its own
-    logits = B.linear(ag, xr, w, s.b * t * e, pre)
+    logits = B.linear(ag, xr, read(f"{pre}.weight"), s.b * t * e, pre)  # F.linear(hidden_states, self.weight)
     ag.release(xr)
     f32 = B.to_dtype(ag, logits, B.FP32 * t * e, f"{pre}.logits_fp32")  # Qwen3: softmax(dtype=float) converts
     probs = ag.op(f"{pre}.softmax", B.FP32 * t * e, (f32,), ("out",),
@@ -51,12 +55,14 @@ def _router(net: Net, x: Tensor, w: Tensor, i: int, renormalize: bool, weight_by
     return logits, weights, indices
 
 
-def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int) -> Tensor:
+def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int, read=None) -> Tensor:
     """grouped_mm_experts_forward(x [T, h], top_k_index, top_k_weights): the routed rows sorted by expert,
     gathered, through gate_up (grouped_mm, masked_fill), act(gate)·up, down (grouped_mm, masked_fill),
     weighted in the routing weights' dtype (``wb`` bytes: fp32 for Mixtral, the training dtype for
-    Qwen3-MoE), unsorted, summed over the k choices and cast back; its locals die as it returns."""
+    Qwen3-MoE), unsorted, summed over the k choices and cast back; its locals die as it returns. ``read``:
+    how it reads self.gate_up_proj and self.down_proj (peft_param.reader: through peft's ParamWrappers)."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
+    read = read or p.__getitem__
     pre = f"model.layers.{i}.mlp.experts"
     t, e, k, h, n, b = s.tokens, m.num_experts, m.num_experts_per_tok, m.hidden_size, m.expert_intermediate_size, s.b
     wo = max(wb, b)  # the product's dtype (type promotion)
@@ -75,9 +81,10 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int
     per_expert = ag.empty(f"{pre}.tokens_per_expert", INT32 * e)
     offsets = ag.empty(f"{pre}.offsets", INT32 * e)  # cumsum(dtype=int32)
     sentinel = ag.empty(f"{pre}.sentinel_mask", rows)  # (expert_ids_g >= E).unsqueeze(-1), bool
+    up_w = read(f"{pre}.gate_up_proj")  # selected_weights = self.gate_up_proj, before the pre-mask
     selected = M.masked_fill(ag, gathered, sentinel, f"{pre}.premask", in_place=True)
     ag.release(gathered)
-    up_out = M.grouped_mm(ag, selected, p[f"{pre}.gate_up_proj"], offsets, b * rows * 2 * n, f"{pre}.gate_up")
+    up_out = M.grouped_mm(ag, selected, up_w, offsets, b * rows * 2 * n, f"{pre}.gate_up")
     proj = M.masked_fill(ag, up_out, sentinel, f"{pre}.gate_up_masked")
     ag.release(up_out)
     gate, up = M.chunk2(ag, proj, f"{pre}.chunk")  # _default_apply_gate
@@ -86,7 +93,7 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int
     prod = B.mul(ag, act, up, b * rows * n, f"{pre}.act_up")
     for z in (act, gate, up):
         ag.release(z)
-    down = M.grouped_mm(ag, prod, p[f"{pre}.down_proj"], offsets, b * rows * h, f"{pre}.down")
+    down = M.grouped_mm(ag, prod, read(f"{pre}.down_proj"), offsets, b * rows * h, f"{pre}.down")
     ag.release(prod)
     proj = M.masked_fill(ag, down, sentinel, f"{pre}.down_masked")
     ag.release(down)
@@ -115,6 +122,14 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int
     return out
 
 
+def wrapped_experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int) -> Tensor:
+    """experts() inside the ParamWrappers peft puts around the experts module, when it adapts them."""
+    pre = f"model.layers.{i}.mlp.experts"
+    acts = PW.activations(net, (f"{pre}.gate_up_proj", f"{pre}.down_proj"))
+    read = PW.reader(net, acts)
+    return PW.run_wrapped(net, acts, lambda: experts(net, x, weights, index, i, wb, read))
+
+
 def moe(net: Net, x: Tensor, i: int) -> Tensor:
     """MixtralSparseMoeBlock, a ZeRO-3 leaf module by DeepSpeed's default (Net.leaf): one fetch of the router's
     and the experts' parameters around the whole block."""
@@ -132,7 +147,7 @@ def block(net: Net, x: Tensor, i: int, renormalize: bool = True, weight_bytes: i
     logits, weights, index = router(net, flat, i, renormalize, weight_bytes)
     pre = f"model.layers.{i}.mlp.experts"
     # self.experts(hidden_states, top_k_index, top_k_weights): both float inputs carry its backward hook
-    out = net.module(pre, lambda z, w: experts(net, z, w, index, i, weight_bytes), flat, weights,
+    out = net.module(pre, lambda z, w: wrapped_experts(net, z, w, index, i, weight_bytes), flat, weights,
                      params=(net.p[f"{pre}.gate_up_proj"], net.p[f"{pre}.down_proj"]))
     ag.release(flat)
     for z in (logits, weights, index):
