@@ -336,6 +336,12 @@ def softmax_backward_data(ctx, name: str, in_bytes: int, grad_bytes: int, device
     return (g,)
 
 
+def half_to_float(net) -> bool:
+    """CUDA's softmax takes fp16 input with an fp32 result directly (SoftMax.cpp softmax: the half_to_float
+    path is for CUDA Half inputs); bf16, and every CPU input, is cast first."""
+    return net.device == "cuda" and net.dtype == "fp16"
+
+
 def softmax(ag: Autograd, x: Tensor, out_bytes: int, name: str, half_to_float: bool = False,
             device: str = "cuda") -> Tensor:
     """F.softmax(x, -1, dtype=fp32) (aten softmax): the input cast to fp32 first (x.to(fp32), a copy freed

@@ -214,9 +214,7 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
 
 
 def _half_to_float(net, g: Geometry) -> bool:
-    """CUDA's softmax takes fp16 input with an fp32 result directly (SoftMax.cpp softmax: the half_to_float
-    path is for CUDA Half inputs); bf16, and every CPU input, is cast first."""
-    return net.device == "cuda" and net.dtype == "fp16"
+    return B.half_to_float(net)
 
 
 def sdpa_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Geometry, *, dropout: float,

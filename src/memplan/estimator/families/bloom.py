@@ -119,7 +119,8 @@ def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i
     scores_bytes = b * s.batch * nh * S * S
     scores = baddbmm(ag, al, q, k, scores_bytes, f"{pre}.scores")
     masked = B.add(ag, scores, mask, f"{pre}.masked")
-    probs32 = B.softmax(ag, masked, B.FP32 * s.batch * nh * S * S, f"{pre}.softmax", device=net.device)
+    probs32 = B.softmax(ag, masked, B.FP32 * s.batch * nh * S * S, f"{pre}.softmax",
+                        half_to_float=B.half_to_float(net), device=net.device)
     probs = B.to_dtype(ag, probs32, scores_bytes, f"{pre}.probs")
     ag.release(probs32)
     dropped = B.dropout(ag, probs, m.attention_dropout, b, f"{pre}.attention_dropout", net.device)
