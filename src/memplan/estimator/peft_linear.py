@@ -88,7 +88,9 @@ def lora_linear(net, x: Tensor, name: str, out_features: int, base) -> Tensor:
     rank = p.lora_rank
     result = base(x)
     xa = B.to_dtype(ag, x, x.nbytes // s.b * p.adapter_bytes, f"{name}.lora_input")
-    dropped = B.dropout(ag, xa, p.lora_dropout, p.adapter_bytes, f"{name}.lora_dropout", net.device)
+    # self.lora_dropout[adapter](x): a module (nn.Dropout, or nn.Identity at 0) without parameters
+    dropped = net.container(f"{name}.lora_dropout.{ADAPTER}", lambda z: B.dropout(
+        ag, z, p.lora_dropout, p.adapter_bytes, f"{name}.lora_dropout", net.device), xa)
     transposed = not net.hooks.zero3_linear
     keep = net.hooks.zero3_linear
     a_out = net.module(f"{name}.lora_A.{ADAPTER}",

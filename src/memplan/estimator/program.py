@@ -95,8 +95,12 @@ def _engine(L: Ledger, job: Job, trainable, places: Places):
     tb = _adapter_bytes(job) if adapter_tensors(job) else b
     g = dtype_bytes(t.grad_accum_dtype or t.dtype)  # DeepSpeedEngine.get_data_types: the model dtype by default
     widths = {k: b for k, _ in every if ".lora_" not in k} if tb != b else None
-    return Zero3(places, all_names, all_numels, set(names), lay.zero_group, tb, g, z, opt, comm, t.grad_accum,
-                 t.dtype == "fp16", widths)
+    engine = Zero3(places, all_names, all_numels, set(names), lay.zero_group, tb, g, z, opt, comm, t.grad_accum,
+                   t.dtype == "fp16", widths)
+    # peft's PeftModelForCausalLM calls its LoraModel, which calls the *ForCausalLM: two more parameter-less
+    # modules above the base model, each hooked (a fetch at the forward's start, a wrap of the outputs)
+    engine.wrapper_modules = 2 if t.lora is not None else 0
+    return engine
 
 
 def shape(job: Job) -> Shape:

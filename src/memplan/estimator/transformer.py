@@ -134,6 +134,26 @@ class Net:
             ag.release(first)
         return (*out[:hooked], hooked_t, *out[hooked + 1:]) if many else hooked_t
 
+    def container(self, name: str, fn, *inputs: Tensor, hooked: int = 0):
+        """A module without parameters of its own (a decoder layer, an attention or MLP block, an activation or
+        dropout module): DeepSpeedZeRoOffload hooks it like any other (parameter_offload.py
+        _register_hooks_recursively), so under ZeRO-3 its forward and backward pre-hooks are fetch_sub_module
+        calls with nothing to gather, each a step of the trace and, once the trace is complete, a prefetch.
+        ``inputs``: its positional tensor arguments (the ones its PostBackwardFunctionModule wraps; keyword
+        arguments are not wrapped)."""
+        return self.module(name, fn, *inputs, params=(), hooked=hooked)
+
+    def base_model_output(self, name: str, x: Tensor) -> Tensor:
+        """The base model's (``*ForCausalLM.model``) post-forward hook on its output's last_hidden_state: its
+        PreBackwardFunctionForModule, a fetch with nothing to gather once the grad reaches it (its forward
+        fetch is the engine's, estimator/zero3.py start_forward)."""
+        if self.in_leaf:
+            return x
+        out = self.hooks.post_forward(self.ag, name, (), x)
+        if out is not x:
+            self.ag.release(x)
+        return out
+
     def leaf(self, name: str, fn, x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
         """A ZeRO-3 leaf module (DeepSpeedEngine._configure_distributed_model → apply_zero_leaf_module_config,
         zero_optimization.leaf_module, whose default classes are transformers' MixtralSparseMoeBlock,
@@ -183,8 +203,9 @@ class Net:
             return self.module(name, run, x, params=params)
         from .peft_linear import lora_linear
 
-        return lora_linear(self, x, name, out_features,
-                           lambda z: self.module(f"{name}.base_layer", run, z, params=params))
+        # lora.Linear has no parameters of its own: a container around its base layer and adapters
+        return self.container(name, lambda z: lora_linear(self, z, name, out_features, lambda zz: self.module(
+            f"{name}.base_layer", run, zz, params=params)), x)
 
     def layernorm(self, x: Tensor, name: str) -> Tensor:
         """nn.LayerNorm ``name`` (weight and bias) over the hidden size of x [T, h]."""

@@ -272,8 +272,8 @@ class Zero3(Zero3Params):
             self.epilogue_ran = False
         self.forwards += 1
         self.reset_step()
-        self.fetch(())
-        self.fetch(())
+        for _ in range(2 + self.wrapper_modules):  # the root, peft's wrappers (program._engine), the base model
+            self.fetch(())
 
     # -- step -------------------------------------------------------------------------------------------
     def _overflow_check(self) -> None:

@@ -57,6 +57,8 @@ class Zero3Params(ModuleHooks):
         self.persist_at = zero.stage3_param_persistence_threshold
         self.prefetch, self.max_live = zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters
         self.reuse = zero.stage3_max_reuse_distance
+        #: parameter-less modules above the *ForCausalLM (peft's PeftModelForCausalLM and LoraModel: program._engine)
+        self.wrapper_modules = 0
         self.avail: dict[str, int | None] = {}  # name → ledger id of its gathered storage (None: a view)
         self.inflight: dict[str, list] = {}  # name → its handle [flat id, names not popped, names to copy]
         self.n_avail = 0
@@ -284,13 +286,15 @@ class Zero3Params(ModuleHooks):
         a step of the trace like any other."""
         if getattr(ag, "suppress", False):
             return out
-        wrapped = []
-        for t in (out.loss, out.logits):
-            w = ag.marker(t, lambda: self.fetch(())) if t.requires_grad else t
-            if w is not t:
-                ag.release(t)
-            wrapped.append(w)
-        return type(out)(*wrapped)
+        for _ in range(1 + self.wrapper_modules):  # the *ForCausalLM's, then each peft wrapper's (outermost last)
+            wrapped = []
+            for t in (out.loss, out.logits):
+                w = ag.marker(t, lambda: self.fetch(())) if t.requires_grad else t
+                if w is not t:
+                    ag.release(t)
+                wrapped.append(w)
+            out = type(out)(*wrapped)
+        return out
 
     def release_leftovers(self) -> None:
         """release_backward_leftovers (backward_epilogue): what is still gathered is released, persistent

@@ -123,7 +123,8 @@ def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i
                         half_to_float=B.half_to_float(net), device=net.device)
     probs = B.to_dtype(ag, probs32, scores_bytes, f"{pre}.probs")
     ag.release(probs32)
-    dropped = B.dropout(ag, probs, m.attention_dropout, b, f"{pre}.attention_dropout", net.device)
+    dropped = net.container(f"{pre}.attention_dropout", lambda z: B.dropout(  # nn.Dropout, a module
+        ag, z, m.attention_dropout, b, f"{pre}.attention_dropout", net.device), probs)
     ag.release(probs)  # attention_probs is rebound to the dropout's output
     # torch.bmm; _merge_heads' view back from the permuted grad copies it for B > 1
     ctx = B.matmul(ag, dropped, v, b * s.tokens * h, f"{pre}.context", grad_copy=copy)
@@ -195,7 +196,7 @@ def mlp(net: Net, x: Tensor, residual: Tensor, i: int) -> Tensor:
     ag, m = net.ag, net.m
     pre = f"transformer.h.{i}.mlp"
     a = net.linear(x, f"{pre}.dense_h_to_4h", m.intermediate_size, True)
-    act = gelu(net, a, f"{pre}.gelu_impl")
+    act = net.container(f"{pre}.gelu_impl", lambda z: gelu(net, z, f"{pre}.gelu_impl"), a)  # BloomGelu
     ag.release(a)
     y = net.linear(act, f"{pre}.dense_4h_to_h", m.hidden_size, True)
     out = dropout_add(net, y, residual, f"{pre}.residual")
@@ -210,10 +211,10 @@ def block(net: Net, x: Tensor, i: int, al: Tensor, mask: Tensor) -> tuple[Tensor
     ag = net.ag
     pre = f"transformer.h.{i}"
     ln = net.layernorm(x, f"{pre}.input_layernorm")
-    a, weights = attention(net, ln, x, al, mask, i)
+    a, weights = net.container(f"{pre}.self_attention", lambda z, r: attention(net, z, r, al, mask, i), ln, x)
     ln2 = net.layernorm(a, f"{pre}.post_attention_layernorm")
     ag.release(ln)  # layernorm_output rebound
-    out = mlp(net, ln2, a, i)
+    out = net.container(f"{pre}.mlp", lambda z, r: mlp(net, z, r, i), ln2, a)
     ag.release(ln2)
     ag.release(a)
     return out, weights
@@ -231,7 +232,8 @@ def forward(net: Net) -> Output:
     mask = causal_mask(net, s.batch)
     weights = None  # outputs = block(...): the tuple keeps the last block's attn_weights
     for i in range(m.num_layers):
-        new, new_weights = net.layer(i, hidden, lambda x, i=i: block(net, x, i, al, mask), (mask, al))
+        new, new_weights = net.layer(i, hidden, lambda x, i=i: net.container(
+            f"transformer.h.{i}", lambda z: block(net, z, i, al, mask), x), (mask, al))
         ag.release(weights)  # outputs rebound: the previous tuple dies
         ag.release(hidden)  # hidden_states = outputs[0]
         hidden, weights = new, new_weights
@@ -239,4 +241,4 @@ def forward(net: Net) -> Output:
     ag.release(hidden)
     for t in (ones, emb, al, mask, weights):  # BloomModel.forward returns: its locals die in co_varnames order
         ag.release(t)
-    return causal_lm_head(net, normed)
+    return causal_lm_head(net, net.base_model_output("transformer", normed))

@@ -231,7 +231,8 @@ def _moe(net: Net, x: Tensor, i: int) -> Tensor:
     ag.release(flat)
     rv = ag.view(routed)  # .view(*orig_shape)
     ag.release(routed)
-    shared = llama.gated_mlp(net, x, f"{pre}.shared_experts", m.expert_intermediate_size * m.n_shared_experts)
+    shared = net.container(f"{pre}.shared_experts", lambda z: llama.gated_mlp(
+        net, z, f"{pre}.shared_experts", m.expert_intermediate_size * m.n_shared_experts), x)
     out = B.add(ag, rv, shared, f"{pre}.shared_sum")
     ag.release(shared)
     ag.release(rv)
@@ -242,7 +243,9 @@ def _moe(net: Net, x: Tensor, i: int) -> Tensor:
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
     """The layer's MLP: DeepseekV3MoE from layer first_k_dense_replace on, DeepseekV3MLP (Llama's) before."""
-    return _moe(net, x, i) if net.m.is_moe_layer(i) else llama.mlp(net, x, i)
+    if net.m.is_moe_layer(i):  # DeepseekV3MoE: a module without parameters of its own (not a ZeRO-3 leaf)
+        return net.container(f"model.layers.{i}.mlp", lambda z: _moe(net, z, i), x)
+    return llama.mlp(net, x, i)
 
 
 def forward(net: Net) -> Output:

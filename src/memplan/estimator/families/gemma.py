@@ -102,8 +102,9 @@ def gelu(ag, x: Tensor, name: str) -> Tensor:
 
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
-    """Gemma*MLP.forward: down(gelu_tanh(gate(x)) · up(x))."""
-    return llama.gated_mlp(net, x, f"model.layers.{i}.mlp", net.m.intermediate_size, act=gelu)
+    """Gemma*MLP.forward: down(gelu_tanh(gate(x)) · up(x)), a module without parameters of its own."""
+    pre = f"model.layers.{i}.mlp"
+    return net.container(pre, lambda z: llama.gated_mlp(net, z, pre, net.m.intermediate_size, act=gelu), x)
 
 
 def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
@@ -133,13 +134,13 @@ def forward(net: Net) -> Output:
     # Gemma 3: one table pair per layer type, in set(config.layer_types)'s order (string hashes: this
     # interpreter's order, as transformers' loop sees it; both pairs have one size, so only names depend on it)
     types = list({_layer_type(m, i) for i in range(m.num_layers)}) if m.family == "gemma3_text" else ["all"]
-    tables = {t: rotary(ag, m, s) for t in types}
+    tables = {t: net.container("model.rotary_emb", lambda: rotary(ag, m, s)) for t in types}
     hidden = ag.ref(emb)
     for i in range(m.num_layers):
         mask = sliding if m.is_sliding_layer(i) else full
         cos, sin = tables[_layer_type(m, i) if m.family == "gemma3_text" else "all"]
-        new = net.layer(i, hidden, lambda x, i=i, mask=mask, cos=cos, sin=sin: layer(net, x, i, cos, sin, mask),
-                        frame_extras(mask, (cos, sin), pos_ids))
+        new = net.layer(i, hidden, lambda x, i=i, mask=mask, cos=cos, sin=sin: net.container(
+            f"model.layers.{i}", lambda z: layer(net, z, i, cos, sin, mask), x), frame_extras(mask, (cos, sin), pos_ids))
         ag.release(hidden)
         hidden = new
     normed = rmsnorm(net, hidden, "model.norm")
@@ -152,7 +153,7 @@ def forward(net: Net) -> Output:
         ag.release(cos)
         ag.release(sin)
     cap = (lambda z: B.soft_cap(ag, z, "lm_head.softcap")) if m.final_logit_softcapping is not None else None
-    return causal_lm_head(net, normed, cap)
+    return causal_lm_head(net, net.base_model_output("model", normed), cap)
 
 
 def _layer_type(m, i: int) -> str:

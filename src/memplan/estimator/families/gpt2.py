@@ -22,8 +22,8 @@ from ..transformer import (
 
 
 def dropout(net: Net, x: Tensor, p: float, name: str) -> Tensor:
-    """nn.Dropout(p) in training; returns x itself when p is 0."""
-    return B.dropout(net.ag, x, p, net.s.b, name, net.device)
+    """nn.Dropout(p) in training (a module: Net.container); returns x itself when p is 0."""
+    return net.container(name, lambda z: B.dropout(net.ag, z, p, net.s.b, name, net.device), x)
 
 
 def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: A.Geometry,
@@ -86,7 +86,8 @@ def mlp(net: Net, x: Tensor, i: int) -> Tensor:
     ag, m = net.ag, net.m
     pre = f"transformer.h.{i}.mlp"
     a = net.conv1d(x, f"{pre}.c_fc", m.intermediate_size)
-    act = G.gelu_new(ag, a, f"{pre}.act") if m.activation == "gelu_new" else G.gelu(ag, a, f"{pre}.act")
+    gelu = G.gelu_new if m.activation == "gelu_new" else G.gelu
+    act = net.container(f"{pre}.act", lambda z: gelu(ag, z, f"{pre}.act"), a)
     ag.release(a)
     y = net.conv1d(act, f"{pre}.c_proj", m.hidden_size)
     ag.release(act)
@@ -101,11 +102,11 @@ def block(net: Net, x: Tensor, i: int, mask: Tensor | None) -> Tensor:
     ag = net.ag
     pre = f"transformer.h.{i}"
     h = net.layernorm(x, f"{pre}.ln_1")
-    a, weights = attention(net, h, i, mask)  # attn_output, _ = self.attn(...)
+    a, weights = net.container(f"{pre}.attn", lambda z: attention(net, z, i, mask), h)  # attn_output, _ = self.attn(...)
     hidden = B.add(ag, a, x, f"{pre}.attn_residual")
     ag.release(h)  # hidden_states (ln_1's output) rebound to attn_output + residual
     h2 = net.layernorm(hidden, f"{pre}.ln_2")
-    ff = mlp(net, h2, i)
+    ff = net.container(f"{pre}.mlp", lambda z: mlp(net, z, i), h2)
     out = B.add(ag, hidden, ff, f"{pre}.mlp_residual")
     ag.release(h2)  # hidden_states (ln_2's output) rebound to residual + feed_forward_hidden_states
     for t in (hidden, a, weights, ff):  # co_varnames: residual, attn_output, _, feed_forward_hidden_states
@@ -131,11 +132,12 @@ def forward(net: Net) -> Output:
     for i in range(m.num_layers):
         # checkpointed, the frame drops the keyword arguments (position_ids), then the positional ones last
         # first: the mask (passed positionally), then the hidden states
-        new = net.layer(i, hidden, lambda x, i=i: block(net, x, i, mask), frame_extras(pos, mask))
+        new = net.layer(i, hidden, lambda x, i=i: net.container(f"transformer.h.{i}", lambda z: block(net, z, i, mask), x),
+                        frame_extras(pos, mask))
         ag.release(hidden)
         hidden = new
     normed = net.layernorm(hidden, "transformer.ln_f")
     ag.release(hidden)
     for t in (pos, emb, pe, mask):  # GPT2Model.forward returns: its locals die in co_varnames order
         ag.release(t)
-    return causal_lm_head(net, normed)  # .view(output_shape) first: a view
+    return causal_lm_head(net, net.base_model_output("transformer", normed))  # .view(output_shape) first: a view

@@ -27,9 +27,9 @@ def rotary_dims(net: Net) -> int:
     return int(net.m.head_dim * net.m.rotary_pct)
 
 
-def dropout(net: Net, x: Tensor, p: float, name: str) -> Tensor:
+def dropout(net: Net, x: Tensor, p: float, name: str) -> Tensor:  # an nn.Dropout module
     """nn.Dropout(p) in training; returns x itself when p is 0."""
-    return B.dropout(net.ag, x, p, net.s.b, name, net.device)
+    return net.container(name, lambda z: B.dropout(net.ag, z, p, net.s.b, name, net.device), x)
 
 
 def partial_rope(net: Net, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, pre: str) -> tuple[Tensor, Tensor]:
@@ -90,7 +90,7 @@ def mlp(net: Net, x: Tensor, i: int) -> Tensor:
     ag, m = net.ag, net.m
     pre = f"gpt_neox.layers.{i}.mlp"
     a = net.linear(x, f"{pre}.dense_h_to_4h", m.intermediate_size, True)
-    act = G.gelu(ag, a, f"{pre}.act")
+    act = net.container(f"{pre}.act", lambda z: G.gelu(ag, z, f"{pre}.act"), a)
     ag.release(a)
     y = net.linear(act, f"{pre}.dense_4h_to_h", m.hidden_size, True)
     ag.release(act)
@@ -104,13 +104,13 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
     ag, m = net.ag, net.m
     pre = f"gpt_neox.layers.{i}"
     h = net.layernorm(x, f"{pre}.input_layernorm")
-    a, weights = attention(net, h, i, cos, sin, mask)  # attn_output, _ = self.attention(...)
+    a, weights = net.container(f"{pre}.attention", lambda z: attention(net, z, i, cos, sin, mask), h)
     ag.release(h)
     attn_out = dropout(net, a, m.hidden_dropout, f"{pre}.post_attention_dropout")
     ag.release(a)
     if m.parallel_residual:
         h2 = net.layernorm(x, f"{pre}.post_attention_layernorm")
-        y = mlp(net, h2, i)
+        y = net.container(f"{pre}.mlp", lambda z: mlp(net, z, i), h2)
         ag.release(h2)
         mlp_out = dropout(net, y, m.hidden_dropout, f"{pre}.post_mlp_dropout")
         ag.release(y)
@@ -122,7 +122,7 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
         ag.release(attn_out)
         attn_out = res
         h2 = net.layernorm(attn_out, f"{pre}.post_attention_layernorm")
-        y = mlp(net, h2, i)
+        y = net.container(f"{pre}.mlp", lambda z: mlp(net, z, i), h2)
         ag.release(h2)
         mlp_out = dropout(net, y, m.hidden_dropout, f"{pre}.post_mlp_dropout")
         ag.release(y)
@@ -141,14 +141,14 @@ def forward(net: Net) -> Output:
     pos_ids = positions(ag, s)
     mask = causal_mask(net)
     hidden = dropout(net, emb, m.embedding_dropout, "gpt_neox.emb_dropout")
-    cos, sin = rotary(ag, m, s, rotary_dims(net))
+    cos, sin = net.container("gpt_neox.rotary_emb", lambda: rotary(ag, m, s, rotary_dims(net)))
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: layer(net, x, i, cos, sin, mask),
-                        frame_extras(mask, pos_ids, (cos, sin)))  # attention_mask, position_ids, …
+        new = net.layer(i, hidden, lambda x, i=i: net.container(f"gpt_neox.layers.{i}", lambda z: layer(
+            net, z, i, cos, sin, mask), x), frame_extras(mask, pos_ids, (cos, sin)))  # attention_mask, position_ids, …
         ag.release(hidden)
         hidden = new
     normed = net.layernorm(hidden, "gpt_neox.final_layer_norm")
     ag.release(hidden)
     for t in (pos_ids, emb, mask, cos, sin):  # GPTNeoXModel.forward returns: locals in co_varnames order
         ag.release(t)
-    return causal_lm_head(net, normed)
+    return causal_lm_head(net, net.base_model_output("gpt_neox", normed))

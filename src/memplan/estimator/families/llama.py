@@ -96,8 +96,9 @@ def attend(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: A.
 
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
-    """LlamaMLP.forward: down(act(gate(x)) · up(x))."""
-    return gated_mlp(net, x, f"model.layers.{i}.mlp", net.m.intermediate_size)
+    """LlamaMLP.forward: down(act(gate(x)) · up(x)), a module without parameters of its own (Net.container)."""
+    pre = f"model.layers.{i}.mlp"
+    return net.container(pre, lambda z: gated_mlp(net, z, pre, net.m.intermediate_size), x)
 
 
 def gated_mlp(net: Net, x: Tensor, pre: str, n: int, act=B.silu) -> Tensor:
@@ -105,7 +106,7 @@ def gated_mlp(net: Net, x: Tensor, pre: str, n: int, act=B.silu) -> Tensor:
     experts among them, and Gemma's MLP with ``act`` its gelu)."""
     ag, m, s = net.ag, net.m, net.s
     gate = net.linear(x, f"{pre}.gate_proj", n, m.mlp_bias)
-    act = act(ag, gate, f"{pre}.act")
+    act = net.container(f"{pre}.act_fn", lambda z: act(ag, z, f"{pre}.act"), gate)  # ACT2FN's module
     ag.release(gate)
     up = net.linear(x, f"{pre}.up_proj", n, m.mlp_bias)
     prod = B.mul(ag, act, up, s.b * s.tokens * n, f"{pre}.act_up")
@@ -117,15 +118,18 @@ def gated_mlp(net: Net, x: Tensor, pre: str, n: int, act=B.silu) -> Tensor:
 
 
 def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None, mlp_fn=mlp,
-          attn_fn=attention) -> Tensor:
+          attn_fn=attention, dropouts: tuple[str, str] | None = None) -> Tensor:
     """LlamaDecoderLayer.forward (DeepseekV3DecoderLayer's too, with its attention); ``x`` stays referenced by
-    the caller during the call."""
+    the caller during the call. ``dropouts``: the dropout modules each sublayer's output passes before its
+    residual add (Phi-3's)."""
     ag = net.ag
     pre = f"model.layers.{i}"
     residual = ag.ref(x)
     h = net.rmsnorm(x, f"{pre}.input_layernorm")
-    a, weights = attn_fn(net, h, i, cos, sin, mask)  # hidden_states, _ = self.self_attn(...)
+    # hidden_states, _ = self.self_attn(hidden_states=..., ...): keyword arguments, so no input is wrapped
+    a, weights = net.container(f"{pre}.self_attn", lambda: attn_fn(net, h, i, cos, sin, mask))
     ag.release(h)
+    a = _dropped(net, a, dropouts[0]) if dropouts else a
     h = B.add(ag, residual, a, f"{pre}.attn_residual")
     ag.release(a)
     ag.release(residual)
@@ -134,10 +138,19 @@ def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | 
     ag.release(h)
     y = mlp_fn(net, h2, i)
     ag.release(h2)
+    y = _dropped(net, y, dropouts[1]) if dropouts else y
     out = B.add(ag, residual, y, f"{pre}.mlp_residual")
     ag.release(y)
     ag.release(residual)  # the frame's locals die in co_varnames order: residual, then _ (attn_weights)
     ag.release(weights)
+    return out
+
+
+def _dropped(net: Net, x: Tensor, name: str) -> Tensor:
+    """An nn.Dropout module on x (a container: its hooks run under ZeRO-3), the caller's reference handed over."""
+    p = net.m.hidden_dropout
+    out = net.container(name, lambda z: B.dropout(net.ag, z, p, net.s.b, name, net.device), x)
+    net.ag.release(x)
     return out
 
 
@@ -150,7 +163,7 @@ def post_norm_layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask:
     pre = f"model.layers.{i}"
     residual = ag.ref(x)
     h = norm(net, x, f"{pre}.input_layernorm") if pre_norms else x
-    a, weights = attn_fn(net, h, i, cos, sin, mask)
+    a, weights = net.container(f"{pre}.self_attn", lambda: attn_fn(net, h, i, cos, sin, mask))
     if pre_norms:
         ag.release(h)
     h = norm(net, a, f"{pre}.post_attention_layernorm")
@@ -196,11 +209,14 @@ def forward(net: Net, mlp_fn=mlp, attn_fn=attention, block=None, norm_fn=_rmsnor
     pos_ids = positions(ag, s)
     mask = causal_mask(net)
     # Olmo2RotaryEmbedding returns fp32 tables; Phi-3's cover head_dim · partial_rotary_factor (rotary_pct)
-    cos, sin = rotary(ag, m, s, int(m.head_dim * m.rotary_pct), cast=m.family != "olmo2")
+    cos, sin = net.container("model.rotary_emb", lambda: rotary(ag, m, s, int(m.head_dim * m.rotary_pct),
+                                                                 cast=m.family != "olmo2"))
     hidden = ag.ref(emb)
     for i in range(m.num_layers):
-        new = net.layer(i, hidden, lambda x, i=i: block(net, x, i, cos, sin, mask, mlp_fn, attn_fn),
-                        layer_extras(m, mask, cos, sin, pos_ids))
+        # the decoder layer is a module of its own (GradientCheckpointingLayer: its hooks run inside the checkpoint)
+        new = net.layer(i, hidden, lambda x, i=i: net.container(
+            f"model.layers.{i}", lambda z: block(net, z, i, cos, sin, mask, mlp_fn, attn_fn), x),
+            layer_extras(m, mask, cos, sin, pos_ids))
         ag.release(hidden)
         hidden = new
     normed = norm_fn(net, hidden, "model.norm")
@@ -211,4 +227,4 @@ def forward(net: Net, mlp_fn=mlp, attn_fn=attention, block=None, norm_fn=_rmsnor
     order = (mask, emb, pos_ids) if m.family in ("qwen2", "qwen3") else (pos_ids, emb, mask)
     for t in (*order, cos, sin):
         ag.release(t)
-    return causal_lm_head(net, normed)
+    return causal_lm_head(net, net.base_model_output("model", normed))

@@ -89,7 +89,7 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int
     ag.release(up_out)
     gate, up = M.chunk2(ag, proj, f"{pre}.chunk")  # _default_apply_gate
     ag.release(proj)
-    act = B.silu(ag, gate, f"{pre}.act")
+    act = net.container(f"{pre}.act_fn", lambda z: B.silu(ag, z, f"{pre}.act"), gate)
     prod = B.mul(ag, act, up, b * rows * n, f"{pre}.act_up")
     for z in (act, gate, up):
         ag.release(z)

@@ -71,13 +71,18 @@ def attention(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tenso
 
 
 def mlp(net: Net, x: Tensor, i: int) -> Tensor:
-    """Phi3MLP.forward: gate_up_proj, chunk(2), up · act(gate), down_proj."""
+    """Phi3MLP, a module without parameters of its own (Net.container)."""
+    return net.container(f"model.layers.{i}.mlp", lambda z: _mlp(net, z, i), x)
+
+
+def _mlp(net: Net, x: Tensor, i: int) -> Tensor:
+    """Phi3MLP.forward: gate_up_proj, chunk(2), up · activation_fn(gate) (a module), down_proj."""
     ag, m, s = net.ag, net.m, net.s
     pre, n = f"model.layers.{i}.mlp", m.intermediate_size
     up_states = net.linear(x, f"{pre}.gate_up_proj", 2 * n)
     gate, up = M.chunk2(ag, up_states, f"{pre}.chunk")
     ag.release(up_states)
-    act = B.silu(ag, gate, f"{pre}.act")
+    act = net.container(f"{pre}.activation_fn", lambda z: B.silu(ag, z, f"{pre}.act"), gate)
     prod = B.mul(ag, up, act, s.b * s.tokens * n, f"{pre}.up_act")
     ag.release(act)
     ag.release(up)
@@ -89,4 +94,13 @@ def mlp(net: Net, x: Tensor, i: int) -> Tensor:
 
 def forward(net: Net) -> Output:
     """Phi3ForCausalLM.forward: LlamaForCausalLM's with Phi-3's attention and MLP."""
-    return llama.forward(net, mlp_fn=mlp, attn_fn=attention)
+    return llama.forward(net, mlp_fn=mlp, attn_fn=attention, block=layer)
+
+
+def layer(net: Net, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Tensor | None, mlp_fn=mlp,
+          attn_fn=attention) -> Tensor:
+    """Phi3DecoderLayer.forward: Llama's with each sublayer's output through its dropout module
+    (resid_attn_dropout, resid_mlp_dropout: nn.Dropout(resid_pdrop), modules without parameters) before the
+    residual add."""
+    return llama.layer(net, x, i, cos, sin, mask, mlp_fn, attn_fn,
+                       dropouts=(f"model.layers.{i}.resid_attn_dropout", f"model.layers.{i}.resid_mlp_dropout"))
