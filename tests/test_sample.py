@@ -380,6 +380,9 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
                        (SAMPLED.parent / "rows-sampled-seed5-h200-1.jsonl").read_text().splitlines())
     call17 = [json.loads(x) for x in (SAMPLED / "call17.jsonl").read_text().splitlines()]
     assert call17 == sample_call.select(seed5, 120, 1, 1400, names5) and len(call17) == 32  # seed 5's second call
+    seed7 = [json.loads(x) for x in (SAMPLED / "seed7.jsonl").read_text().splitlines()]
+    call18 = [json.loads(x) for x in (SAMPLED / "call18.jsonl").read_text().splitlines()]
+    assert call18 == sample_call.select(seed7, 120, 1, 1400) and len(call18) == 32  # seed 7's first device call
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
