@@ -57,7 +57,8 @@ class Node:
     SplitBackward0, a list with one entry per output, None where none arrived) and returns one gradient per
     entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
 
-    __slots__ = ("backward", "inputs", "n_out", "name", "region", "saved", "seq", "unpacked", "would_save")
+    __slots__ = ("backward", "inputs", "n_out", "name", "reduce_staging", "region", "saved", "seq", "unpacked",
+                 "would_save")
 
     def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int, n_out: int = 1):
         self.name, self.inputs, self.saved, self.backward, self.seq = name, inputs, saved, backward, seq
@@ -65,6 +66,7 @@ class Node:
         self.region = None  # a checkpointed region whose saved tensors are recomputed before this node runs
         self.would_save = bool(saved)  # saved something, or would have outside a checkpointed forward
         self.unpacked = False  # its saved tensors came from a checkpoint's recompute: apply's locals own them
+        self.reduce_staging = None  # input index → CUDA reduction staging bytes (blocks.linear, cuda_reduce.py)
 
 
 class Autograd:
@@ -308,7 +310,8 @@ class Autograd:
         the input's size, and the larger grad is freed (unless it is the incoming gradient itself, which
         apply's argument list holds until the call returns)."""
         fixed = []
-        for inp, g in zip(node.inputs, outs):
+        staging = getattr(node, "reduce_staging", None) or {}
+        for k, (inp, g) in enumerate(zip(node.inputs, outs)):
             if g is not None and inp is not None and g.nbytes > inp.nbytes:
                 summed = None
                 if g.summed_bytes and g.summed_bytes != inp.nbytes:  # reduce_grad, then grad.to(dtype)
@@ -317,6 +320,12 @@ class Autograd:
                         self.release(g)
                     g = summed
                 r = self.empty(f"{g.name}.reduced", inp.nbytes, component="activations")
+                buf, sem = staging.get(k, (0, 0))  # CUDA's global reduction staging (estimator/cuda_reduce.py)
+                if buf:
+                    b_t = self.empty(f"{g.name}.reduce_staging.tmp", buf, component="activations")
+                    s_t = self.empty(f"{g.name}.reduce_semaphores.tmp", sem, component="activations")
+                    self.release(s_t)
+                    self.release(b_t)
                 if g is not grad:
                     self.release(g)
                 g = r

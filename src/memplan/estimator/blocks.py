@@ -17,7 +17,7 @@ FP32 = 4
 
 
 def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None,
-           transposed: bool = True, keeps_input: bool = False) -> Tensor:
+           transposed: bool = True, keeps_input: bool = False, cuda_bytes: int | None = None) -> Tensor:
     """nn.Linear on [.., in] → [.., out] (F.linear: mm, or addmm with a bias, on the 2-D view). Saves the
     input (and the weight, a parameter). torchgen emits a node's formulas in the sorted order of the input
     names (load_derivatives.py: sorted(defn.keys())): MmBackward0 (self, mat2) computes the weight's grad
@@ -27,7 +27,9 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not, nor does ZeRO-3's
     LinearFunctionForZeroStage3, which returns a plain weight grad (a tied weight's two grads then sum in
     place, InputBuffer::accumulate). ``keeps_input``: the input is saved whether or not the weight trains
-    (LinearFunctionForZeroStage3.setup_context saves input, weight and bias: lora.zero3_linear_uses_saved_input)."""
+    (LinearFunctionForZeroStage3.setup_context saves input, weight and bias: lora.zero3_linear_uses_saved_input).
+    ``cuda_bytes``: the element bytes when the kernels are CUDA's, whose sum of the incoming grad down to the bias
+    stages in global memory (estimator/cuda_reduce.py; Autograd._validate_outputs allocates it)."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
 
     def backward(ctx: _Ctx, grad: Tensor, node):
@@ -54,7 +56,12 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     if ag.before_matmul is not None:  # the first cuBLAS call creates its handle's workspaces
         hook, ag.before_matmul = ag.before_matmul, None
         hook()
-    return ag.op(name, out_bytes, inputs, saved, backward)
+    out = ag.op(name, out_bytes, inputs, saved, backward)
+    if bias is not None and bias.requires_grad and cuda_bytes and out.node is not None:
+        from .cuda_reduce import sum_rows_staging
+
+        out.node.reduce_staging = {2: sum_rows_staging(out_bytes // bias.nbytes, bias.nbytes // cuda_bytes)}
+    return out
 
 
 def to_dtype(ag: Autograd, x: Tensor, out_bytes: int, name: str) -> Tensor:

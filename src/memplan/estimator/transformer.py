@@ -186,15 +186,18 @@ class Net:
         w = p[f"{name}.weight"]
         b_t = p[f"{name}.bias"] if bias else None
         z3 = self.hooks.zero3_linear  # ZeRO-3's linear multiplies by the weight itself and always saves x
+        cuda = s.b if self.device == "cuda" else None
         return self._adaptable(name, out_features, x, (w, b_t), lambda z: B.linear(
-            self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=not z3, keeps_input=z3))
+            self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=not z3, keeps_input=z3,
+            cuda_bytes=cuda))
 
     def conv1d(self, x: Tensor, name: str, out_features: int) -> Tensor:
         """transformers' Conv1D ``name`` (GPT-2): addmm(bias, x, weight) with weight [in, out], no transpose."""
         s, p = self.s, self.p
         w, b_t = p[f"{name}.weight"], p[f"{name}.bias"]
+        cuda = s.b if self.device == "cuda" else None
         return self._adaptable(name, out_features, x, (w, b_t), lambda z: B.linear(
-            self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=False))
+            self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=False, cuda_bytes=cuda))
 
     def _adaptable(self, name: str, out_features: int, x: Tensor, params: tuple, run) -> Tensor:
         """Module ``name`` running ``run``, or, when peft adapted it, its lora.Linear wrapper with ``run`` as the
