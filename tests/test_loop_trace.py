@@ -90,10 +90,14 @@ def test_deepspeed_loop_matches_the_gpu_trace(path):
         pytest.skip("a job the ledger does not model yet (estimator.ledger_supported): its trace is for finding the "
                     "tensors the phase lists miss")
     t = job.training
-    logits = t.micro_batch * t.seq_len // job.layout.sp * job.model.vocab_size * 2  # bf16 [B, S, V]
+    from memplan.units import dtype_bytes
+
+    logits = t.micro_batch * t.seq_len // job.layout.sp * job.model.vocab_size * dtype_bytes(t.dtype)  # [B, S, V]
 
     def real_kind(name, nbytes):
-        if name in LOGITS_FRAMES and nbytes == logits:
+        # the lm_head's output: made in the family's *ForCausalLM.forward (or ZeRO-3's linear function)
+        family_forward = name.startswith("transformers/models/") and name.endswith(".py:forward")
+        if (name in LOGITS_FRAMES or family_forward) and nbytes == logits:
             return "logits"
         return TRACE_KINDS.get(name)
 
