@@ -85,7 +85,9 @@ def _engine(L: Ledger, job: Job, trainable, places: Places):
         return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype), b, lay.zero_group, opt)
     if z.stage in (1, 2):
         group = FlatGroup(names, numels, lay.zero_group, 0)
-        comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
+        # allreduce_bucket communicates in fp32 whenever sequence_parallel_size > 1, whatever
+        # seq_parallel_communication_data_type says (stage_1_and_2.py: ``communication_data_type = torch.float32``)
+        comm = 4 if lay.sp > 1 else b
         return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap, t.grad_accum, opt, comm,
                       offload=z.offload_optimizer != "none")
     comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b  # the engine's communication_data_type

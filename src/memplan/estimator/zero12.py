@@ -85,7 +85,7 @@ class Zero12:
                  offload: bool = False):
         self.L, self.stage, self.groups, self.b = ledger, stage, groups, b
         self.rbs, self.overlap, self.ga, self.opt = reduce_bucket, overlap_comm, grad_accum, optimizer
-        self.comm_b = comm_bytes or b  # fp32 under Ulysses (seq_parallel_communication_data_type)
+        self.comm_b = comm_bytes or b  # allreduce_bucket's dtype: fp32 under Ulysses (program._engine)
         self.index = {n: (g, i) for g, grp in enumerate(groups) for i, n in enumerate(grp.names)}
         self.masters: list[int] = []
         self.bucket: list[int] = []  # ledger ids of the IPG buffers
