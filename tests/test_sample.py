@@ -383,6 +383,10 @@ def test_call_takes_the_one_gpu_prefix_within_its_budget(tmp_path, drawn, capsys
     seed7 = [json.loads(x) for x in (SAMPLED / "seed7.jsonl").read_text().splitlines()]
     call18 = [json.loads(x) for x in (SAMPLED / "call18.jsonl").read_text().splitlines()]
     assert call18 == sample_call.select(seed7, 120, 1, 1400) and len(call18) == 32  # seed 7's first device call
+    names7 = frozenset(json.loads(x)["name"] for x in
+                       (SAMPLED.parent / "rows-sampled-seed7-h200-1.jsonl").read_text().splitlines())
+    call19 = [json.loads(x) for x in (SAMPLED / "call19.jsonl").read_text().splitlines()]
+    assert call19 == sample_call.select(seed7, 120, 1, 1200, names7) and len(call19) == 29  # seed 7's second call
     for argv in (["nope.jsonl", "--first", "3", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "0", "--budget-s", "9", "--out", str(tmp_path / "x.jsonl")],
                  [str(matrix), "--first", "3", "--budget-s", "9", "--out", str(matrix)],
