@@ -29,10 +29,11 @@ r and lora_alpha there), b the parameter's dtype bytes, a the adapters'.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod as numel_of
 
+from . import blocks as B
 from .autograd import Tensor
-
-FP32 = 4
+from .blocks import FP32
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,8 @@ class Activation:
     ``weight`` is the first access of the parameter inside the forward (the cached parametrization), ``exit``
     removes the parametrization."""
 
-    def __init__(self, net, param: Tensor, w: Wrapped):
-        self.net, self.param, self.w = net, param, w
+    def __init__(self, net, name: str, w: Wrapped):
+        self.net, self.name, self.param, self.w = net, name, net.p[name], w
         self.held: list[Tensor] = []  # what the proxy holds (the factors' casts, the delta)
         self.value: Tensor | None = None  # the cached parametrized tensor
         self.accessed: list[Activation] = []  # the shared cache's insertion order (run_wrapped)
@@ -63,32 +64,32 @@ class Activation:
     def enter(self) -> None:
         net, w = self.net, self.w
         ag, p, a = net.ag, net.p, net.p.adapter_bytes
-        b = self.param.nbytes // _numel(w.shape)
+        b = self.param.nbytes // numel_of(w.shape)
         wa, wb = (p[n] for n in _names(w.module))
         if len(w.shape) == 3:
             lhs = _permuted_view(ag, wb, f"{w.module}.lhs")  # [E, out, r]
             rhs = ag.view(wa, f"{w.module}.rhs")  # [E, r, in]
-            self.held = [_cast(ag, lhs, lhs.nbytes // a * b, f"{w.module}.lhs_cast"),
-                         _cast(ag, rhs, rhs.nbytes // a * b, f"{w.module}.rhs_cast")]
+            self.held = [B.to_dtype(ag, lhs, lhs.nbytes // a * b, f"{w.module}.lhs_cast"),
+                         B.to_dtype(ag, rhs, rhs.nbytes // a * b, f"{w.module}.rhs_cast")]
             ag.release(lhs)
             ag.release(rhs)
             self._check()
             return
         out, inn = w.shape
         if net.device == "cpu" and a < FP32:  # Linear.get_delta_weight: weight_A.float(), weight_B.float()
-            fa, fb = (_cast(ag, t, t.nbytes // a * FP32, f"{w.module}.{n}_fp32") for t, n in ((wa, "A"), (wb, "B")))
+            fa, fb = (B.to_dtype(ag, t, t.nbytes // a * FP32, f"{w.module}.{n}_fp32") for t, n in ((wa, "A"), (wb, "B")))
             prod = _mm(ag, fb, fa, FP32 * out * inn, f"{w.module}.delta_mm")
-            scaled = _scale(ag, prod, f"{w.module}.delta")
+            scaled = B.scale(ag, prod, f"{w.module}.delta")
             ag.release(prod)
-            delta = _cast(ag, scaled, a * out * inn, f"{w.module}.delta_cast")
+            delta = B.to_dtype(ag, scaled, a * out * inn, f"{w.module}.delta_cast")
             ag.release(scaled)
             for t in (fa, fb):
                 ag.release(t)
         else:
             prod = _mm(ag, wb, wa, a * out * inn, f"{w.module}.delta_mm")
-            delta = _scale(ag, prod, f"{w.module}.delta")
+            delta = B.scale(ag, prod, f"{w.module}.delta")
             ag.release(prod)
-        self.held = [_cast(ag, delta, b * out * inn, f"{w.module}.delta_to")]  # ParamWrapper.get_delta_weight
+        self.held = [B.to_dtype(ag, delta, b * out * inn, f"{w.module}.delta_to")]  # ParamWrapper.get_delta_weight
         ag.release(delta)
         self._check()
 
@@ -144,13 +145,6 @@ def run_wrapped(net, activations: list[Activation], fn):
     return out
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _permuted_view(ag, wb: Tensor, name: str) -> Tensor:
     """lora_B.reshape(out, r, E).permute(2, 0, 1): a view whose backward reshapes a non-contiguous grad, which
     copies (ViewBackward0 on PermuteBackward0's permuted grad)."""
@@ -160,18 +154,6 @@ def _permuted_view(ag, wb: Tensor, name: str) -> Tensor:
         v.node = ag._node(f"{name}.reshape_permute", (wb,), (),
                           lambda ctx, grad, node: (ctx.new(f"grad.{name}", wb.nbytes),))
     return v
-
-
-def _cast(ag, x: Tensor, out_bytes: int, name: str) -> Tensor:
-    from .blocks import to_dtype
-
-    return to_dtype(ag, x, out_bytes, name)
-
-
-def _scale(ag, x: Tensor, name: str) -> Tensor:
-    from .blocks import scale
-
-    return scale(ag, x, name)
 
 
 def _mm(ag, mat1: Tensor, mat2: Tensor, out_bytes: int, name: str) -> Tensor:
@@ -211,11 +193,11 @@ def activations(net, names: tuple[str, ...]) -> list[Activation]:
     """The ParamWrappers around the module whose parameters are ``names`` (registration order), outermost
     first (peft wrapped the first targeted one innermost); empty when peft wraps none of them."""
     wrapped = net.p.wrapped
-    return [Activation(net, net.p[n], wrapped[n]) for n in names if n in wrapped][::-1]
+    return [Activation(net, n, wrapped[n]) for n in names if n in wrapped][::-1]
 
 
 def reader(net, acts: list[Activation]):
     """``read(name)``: the parameter as the base forward sees it: through its wrapper's parametrization when
     wrapped (its first read computes it), else the parameter itself."""
-    by_name = {name: a for a in acts for name, w in net.p.wrapped.items() if w is a.w}
+    by_name = {a.name: a for a in acts}
     return lambda name: by_name[name].weight() if name in by_name else net.p[name]
