@@ -32,7 +32,11 @@ def ledger_supported(job: Job) -> bool:
     from .families import FORWARD
 
     t, lay, m = job.training, job.layout, job.model
-    return (lay.pp == 1 and lay.tp == 1 and _sequence_parallel_modelled(job)
+    if lay.pp > 1:
+        from .pipeline import pipeline_modelled
+
+        return pipeline_modelled(job)
+    return (lay.tp == 1 and _sequence_parallel_modelled(job)
             and m.family in FORWARD and t.checkpointing != "selective" and not t.checkpoint_reentrant
             and t.checkpoint_every_n_layers == 1 and not t.checkpoint_offload and _adapter_modelled(job)
             and _attention_modelled(m, t.attention, t.seq_len, dtype_bytes(t.dtype), lay.sp > 1)
@@ -121,6 +125,11 @@ def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int 
     from .summary import allocator_config, summarize
 
     steps = ledger_steps(skipped)
+    if job.layout.pp > 1:  # the first and the last stage, each as verify emulates it; the most loaded one's
+        from .pipeline import PIPELINE_STEPS, build_pipeline_ledger
+
+        return max((summarize(job, build_pipeline_ledger(job, k, PIPELINE_STEPS, skipped), card_bytes, timeline)
+                    for k in (0, job.layout.pp - 1)), key=lambda x: x.peak_allocated_bytes)
     config = allocator_config(job, card_bytes)
     short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, tuple(skipped), config)
     if short is None:
@@ -132,7 +141,7 @@ def ledger_trace(job: Job) -> dict | None:
     """The job's predicted ledger and its replay as Chrome trace-event JSON (memplan.allocator.chrome: counter
     tracks for allocated and reserved, one slice per tensor), or None when the ledger does not model the job.
     With gradient accumulation folded (estimator/fold.py) the trace shows the micro-steps actually built."""
-    if not ledger_supported(job):
+    if not ledger_supported(job) or job.layout.pp > 1:  # pipeline stages: not drawn yet
         return None
     from ..allocator import simulate
     from ..allocator.chrome import chrome_trace

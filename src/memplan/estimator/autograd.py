@@ -239,6 +239,14 @@ class Autograd:
         self._push(root, seed)
         self.run_nodes(len(self.nodes) - 1, -1)
 
+    def backward_from(self, root: Tensor, grad: Tensor) -> None:
+        """``root.backward(gradient=grad)``: ``grad`` (a reference the caller hands over) is the root's gradient."""
+        if root.node is None:
+            self.release(grad)
+            return
+        self._push(root, grad)
+        self.run_nodes(len(self.nodes) - 1, -1)
+
     def run_nodes(self, start: int, stop: int) -> None:
         """Run the nodes from index ``start`` down to ``stop`` (exclusive) that have a gradient waiting."""
         for i in range(start, stop, -1):

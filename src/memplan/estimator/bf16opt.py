@@ -12,11 +12,13 @@ under pipeline parallelism at stage 0. _setup_for_real_optimizer, per parameter 
 
 Backward (bfloat16.immediate_grad_update off, its default): the 16-bit grads accumulate whole as param.grad
 (backward_prologue zeroes them in place: clear_lp_grads); backward_epilogue → update_hp_grads adds each one,
-cast to fp32 (``lp.grad.to(fp32)``, a temporary), into the buffer. At the boundary the engine all-reduces that
+cast to the accumulation dtype (``lp.grad.to(fp32)``, a temporary; none when it is bf16, as under pipeline
+parallelism at stage 0), into the buffer. At the boundary the engine all-reduces that
 buffer (allreduce_gradients → buffered_allreduce_fallback → allreduce_bucket: the single tensor flattened in
 place, cast to the communication dtype — bf16 — for the all-reduce, copied back). Step: the norm of the fp32
-grads (get_global_norm_of_tensors: ``torch.stack(norms).pow(2)``, 4 bytes per parameter), the optimizer on the fp32
-partition (its grad a view of the buffer; states at the first step), the 16-bit partition copied back and
+grads (get_global_norm_of_tensors: ``torch.stack(norms).pow(2)``, 4 bytes per parameter; each grad cast to fp32
+first when the buffer is bf16), the optimizer on the fp32 partition (its grad a view of the buffer, or a cast of
+it to fp32 when the buffer is bf16; states at the first step), the 16-bit partition copied back and
 all-gathered in place, the buffer zeroed; the engine's zero_grad sets the 16-bit grads to None.
 
 Symbols: P the trainable parameters, N the data-parallel group, b = 2 (bf16), g the accumulation dtype's bytes.
@@ -69,10 +71,11 @@ class BF16Optimizer:
     def end_backward(self, ag: Autograd, boundary: bool) -> None:
         """backward_epilogue (update_hp_grads), then the engine's all-reduce at the boundary."""
         L = self.L
-        for name, numel in zip(self.names, self.numels):
-            if name in self.grads:
-                L.free(L.alloc("bf16_optimizer.lp_grad_fp32", FP32 * numel, "optimizer_step_transient"))
-        if boundary:  # allreduce_bucket: tensor.to(communication_data_type)
+        if self.g != self.b:  # hp_grad.add_(lp.grad.to(hp_grad.dtype)): a cast unless the dtypes agree
+            for name, numel in zip(self.names, self.numels):
+                if name in self.grads:
+                    L.free(L.alloc("bf16_optimizer.lp_grad_fp32", self.g * numel, "optimizer_step_transient"))
+        if boundary and self.comm_b != self.g:  # allreduce_bucket: tensor.to(communication_data_type)
             L.free(L.alloc("engine.allreduce_cast", self.comm_b * self.padded, "grad_bucket"))
 
     def skip(self, ag: Autograd) -> None:
@@ -86,10 +89,19 @@ class BF16Optimizer:
 
     def step(self, ag: Autograd, first: bool) -> None:
         L = self.L
-        count = len(self.names)  # get_global_norm_of_tensors: torch.stack(all_norms).pow(norm_type)
+        if self.g != FP32:  # get_global_norm_of_tensors: tensor.detach().float().norm() of each hp grad
+            for numel in self.numels:
+                L.free(L.alloc("bf16_optimizer.norm_grad_fp32", FP32 * numel, "optimizer_step_transient"))
+        count = len(self.names)  # torch.stack(all_norms).pow(norm_type)
         stack = L.alloc("bf16_optimizer.stacked_norms", FP32 * count, "optimizer_step_transient")
         power = L.alloc("bf16_optimizer.stacked_norms_pow", FP32 * count, "optimizer_step_transient")
         L.free(stack)
         L.free(power)
+        # param_partition.grad = grad_partition.to(fp32) when the accumulation dtype is not fp32 (set to None
+        # after the optimizer's step)
+        cast = (L.alloc("bf16_optimizer.grad_partition_fp32", FP32 * self.partition, "optimizer_step_transient")
+                if self.g != FP32 else None)
         self.opt.step(L, self.partition, first)
+        if cast is not None:
+            L.free(cast)
         self._zero_grad(ag)

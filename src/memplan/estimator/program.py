@@ -69,27 +69,34 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
     return ids
 
 
-def _engine(L: Ledger, job: Job, trainable, places: Places):
+def engine_for(L: Ledger, job: Job, trainable, places: Places, every: list[tuple[str, int]] | None = None,
+               dp_rank: int = 0):
+    """The ZeRO stage's engine model over ``every`` (name, numel) in ``parameters()`` order (default: the whole
+    model's, each LoRA adapter after its base layer's weight: lora.train_set; a pipeline stage passes its own),
+    seen from data-parallel rank ``dp_rank`` (whose ZeRO-1/2 partition it keeps)."""
     from .lora import job_train_set
 
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
-    # named_parameters() order: each adapter after its base layer's weight (lora.train_set)
-    every = [(p.name, p.numel) for p, _ in job_train_set(t, job.model).tensors]
+    if every is None:
+        every = [(p.name, p.numel) for p, _ in job_train_set(t, job.model).tensors]
     names = [k for k, _ in every if trainable(k)]
     numels = [n for k, n in every if trainable(k)]
     opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
+    if picks_bf16_optimizer(job):  # stage 1 with fp32 accumulation, or stage 0 in bf16 under pp
+        return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype or t.dtype), b, lay.zero_group,
+                             opt)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
-    if picks_bf16_optimizer(job):  # at stage 1 here: pipeline parallelism is outside the ledger
-        return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype), b, lay.zero_group, opt)
     if z.stage in (1, 2):
-        group = FlatGroup(names, numels, lay.zero_group, 0)
+        group = FlatGroup(names, numels, lay.zero_group, dp_rank)
         # allreduce_bucket communicates in fp32 whenever sequence_parallel_size > 1, whatever
         # seq_parallel_communication_data_type says (stage_1_and_2.py: ``communication_data_type = torch.float32``)
         comm = 4 if lay.sp > 1 else b
-        return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap, t.grad_accum, opt, comm,
-                      offload=z.offload_optimizer != "none")
+        # _configure_zero_optimizer turns overlap_comm off for a PipelineModule ("Pipeline parallelism does not
+        # support overlapped communication, will be disabled.")
+        return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap and lay.pp == 1, t.grad_accum, opt,
+                      comm, offload=z.offload_optimizer != "none", pipeline=lay.pp > 1)
     comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b  # the engine's communication_data_type
     all_names = [k for k, _ in every]
     all_numels = [n for _, n in every]
@@ -125,7 +132,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     L.mark("init")
     trainable = _trainable(job)
     places = Places(L, host, cpu_run)
-    engine = _engine(L, job, trainable, places)
+    engine = engine_for(L, job, trainable, places)
     adapters = adapter_tensors(job)
     if isinstance(engine, Zero3):
         from ..params import parameter_tensors

@@ -82,10 +82,10 @@ class Zero12:
 
     def __init__(self, ledger: Ledger, stage: int, groups: list[FlatGroup], b: int, reduce_bucket: int,
                  overlap_comm: bool, grad_accum: int, optimizer: Optimizer, comm_bytes: int | None = None,
-                 offload: bool = False):
+                 offload: bool = False, pipeline: bool = False):
         self.L, self.stage, self.groups, self.b = ledger, stage, groups, b
         self.rbs, self.overlap, self.ga, self.opt = reduce_bucket, overlap_comm, grad_accum, optimizer
-        self.comm_b = comm_bytes or b  # allreduce_bucket's dtype: fp32 under Ulysses (program._engine)
+        self.comm_b = comm_bytes or b  # allreduce_bucket's dtype: fp32 under Ulysses (program.engine_for)
         self.index = {n: (g, i) for g, grp in enumerate(groups) for i, n in enumerate(grp.names)}
         self.masters: list[int] = []
         self.bucket: list[int] = []  # ledger ids of the IPG buffers
@@ -97,6 +97,9 @@ class Zero12:
         self.micro = 0
         self.stream = REDUCTION_STREAM if overlap_comm else 0
         self.offload = offload  # offload_optimizer: fp32 master, grads and states live on the host
+        #: under a PipelineEngine reduce_gradients(pipeline_parallel=True) allocates one more IPG buffer (with
+        #: contiguous_gradients: "with PP we must create ipg buffer, since backward is handled outside zero")
+        self.pipeline = pipeline
 
     # -- init -------------------------------------------------------------------------------------------
     def initialize(self, param_ids: dict[str, int]) -> None:
@@ -232,6 +235,8 @@ class Zero12:
         if self.stage == 1:
             if not boundary:
                 return
+            if self.pipeline:
+                self.bucket.append(self.L.alloc("zero.ipg_bucket (pipeline)", self.b * self.rbs, "grad_bucket"))
             for grp in self.groups:
                 for name in grp.names:
                     grad = self.held.pop(name, None)

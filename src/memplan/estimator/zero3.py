@@ -272,7 +272,7 @@ class Zero3(Zero3Params):
             self.epilogue_ran = False
         self.forwards += 1
         self.reset_step()
-        for _ in range(2 + self.wrapper_modules):  # the root, peft's wrappers (program._engine), the base model
+        for _ in range(2 + self.wrapper_modules):  # the root, peft's wrappers (program.engine_for), the base model
             self.fetch(())
 
     # -- step -------------------------------------------------------------------------------------------

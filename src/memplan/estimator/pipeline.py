@@ -1,0 +1,355 @@
+"""Pipeline parallelism on the ledger: one stage of memplan.verify's PipelineModule under DeepSpeed 0.19.8's
+PipelineEngine (runtime/pipe/engine.py), as allocation events.
+
+The stage (pipe_schedule.stage_specs over the specs embedding, positions, decoder layers, final norm, head) is
+built on the GPU in the training dtype, one allocation per parameter in spec order (PipelineModule._build; a tied
+embedding is a TiedLayerSpec on the first and the last stage, registered first in ``parameters()``), then
+deepspeed.initialize wraps it in the stage's optimizer (program.engine_for: BF16_Optimizer for bf16 at stage 0,
+DeepSpeedZeroOptimizer at stage 1, FP16_Optimizer otherwise). ``train_batch`` runs TrainSchedule's instructions
+(pipe_schedule.train_instructions) and each is a phase named as memplan.verify.pipeline.InstructionPhases names
+it. What each instruction allocates and keeps:
+
+- LoadMicroBatch: the data iterator's ``torch.randint`` ids on the device (the generator frame keeps the last
+  ones until it makes the next); the first stage keeps ``ids.clone()`` as its input buffer, the last stage the ids
+  themselves as its labels buffer, each until the same buffer id is loaded again.
+- RecvActivation (later stages): the first one allocates the receive buffers (the hidden states, and Llama-style
+  position ids), kept for the run; each one then keeps ``buffer.clone().detach()`` (the hidden states a leaf
+  that requires grad) as the input buffer until SendGrad.
+- ForwardPass: ``inputs.clone()`` of the input buffer, the stage's modules in turn (pipeline_stage.py), the
+  output kept in the outputs buffer. The last stage computes ForCausalLMLoss on it: ``self.loss`` (kept until the
+  next forward replaces it, and its detached storage in ``fwd_outputs`` for the batch), ``total_loss``
+  (``zeros_like`` at the first micro-batch) — and its outputs buffer, the logits, is only replaced by the forward
+  that reuses the buffer id (_exec_backward_pass returns before clearing it): num_pipe_buffers ≥ 2 logits live.
+- RecvGrad (earlier stages): the first one allocates the gradient buffer of the float outputs, kept for the run.
+- BackwardPass: the last stage runs ``engine.backward(self.loss)`` (loss / gas, the ZeRO optimizer's
+  scale_if_loss); the others ``outputs.backward(gradient=grad_buffer)`` (the buffer is the root's gradient and
+  stays referenced, so the first accumulation into it is out of place), then clear the outputs buffer. The backward epilogue's reduction waits for ReduceGrads
+  (PipelineEngine.is_gradient_accumulation_boundary is False until ``_force_grad_boundary``).
+- SendGrad (later stages): the input buffer (the received hidden states and their .grad) is dropped.
+- ReduceGrads: the engine's allreduce_gradients at the boundary (the optimizer's own end of backward); then
+  OptimizerStep: the optimizer step.
+
+Several micro-batches are in flight at once on the first stages, each its own autograd graph: each forward gets
+its own Autograd (one graph's AccumulateGrad dependencies never count another's edges, as torch's engine computes
+dependencies per graph task). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ledger import Ledger
+from ..specs import Job
+from ..units import dtype_bytes
+from . import blocks as B
+from . import pipe_schedule as P
+from .autograd import Autograd, Tensor
+from .transformer import causal_lm_loss
+
+INT64, FP32 = 8, 4
+#: optimizer steps a stage's ledger runs: all three verify measures. Unlike the unpipelined ledger
+#: (estimator.ledger_steps), a later step is not a repeat of the second for the caching allocator: the in-flight
+#: micro-batches' activations land in other free blocks each step, so reserved memory still grows at the third
+#: (the H200 row s4-084, Mistral-7B pp 4: 28.9, 32.6, 36.1 GiB at the end of each step; the ledger replays it
+#: within 0.3 %)
+PIPELINE_STEPS = 3
+INPUTS, SCALARS, PIPE = "inputs", "loop_scalars", "pipe_buffers"
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One pipeline stage of the job: its index, its decoder layers and whether it holds the ends."""
+
+    index: int
+    stages: int
+    layers: tuple[int, ...]
+    embedding: bool  # the token embedding (the first stage; a tied one on the last too)
+    positions: bool  # the positions spec (GPT-2: wpe and the embedding dropout)
+    head: bool  # the final norm, the head and the loss (the last stage)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+
+#: the families memplan.verify's pipeline builder stacks (verify/pipeline.py SUPPORTED_FAMILIES)
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+
+
+def pipeline_modelled(job: Job) -> bool:
+    """Whether the stage ledger models this pp job: the builder's families, DeepSpeed's pipeline ZeRO stages
+    (0 and 1: PipelineEngine asserts below ZeRO-2), sdpa or flash (the stages pass no mask), no checkpointing,
+    tp, sp, adapters or frozen parameters, and the optimizers the ledger ports."""
+    t, lay, m = job.training, job.layout, job.model
+    return (m.family in FAMILIES and t.zero.stage <= 1 and t.attention != "eager" and t.checkpointing == "none"
+            and lay.tp == 1 and lay.sp == 1 and t.lora is None and not t.freeze and t.model_impl == "transformers"
+            and t.zero.offload_optimizer == "none" and t.zero.offload_param == "none"
+            and t.optimizer in ("adamw", "torch_adamw", "torch_adamw_fused", "sgd", "lion")
+            and not (t.zero.stage == 1 and t.grad_accum_dtype == "fp32"))
+
+
+def stage_of(job: Job, index: int) -> Stage:
+    """Stage ``index`` of the job's PipelineModule (memplan.verify.pipeline.layer_specs: embedding, positions,
+    decoder layers, final norm, head; partitioned by ``type:``)."""
+    L, pp = job.model.num_layers, job.layout.pp
+    start, stop = P.stage_specs(2, L, 2, pp)[index]
+    layers = tuple(i - 2 for i in range(start, stop) if 2 <= i < L + 2)
+    head = stop > L + 3 - 1  # the head spec (index L + 3) is on this stage
+    embedding = start == 0 or (head and job.model.tie_word_embeddings)
+    return Stage(index, pp, layers, embedding, start <= 1 < stop, head)
+
+
+def stage_parameters(job: Job, stage: Stage) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(built, registered): the stage's parameters in the order they are allocated (spec order) and in
+    ``module.parameters()`` order (the tied embedding first: PipelineModule's tied_modules ModuleDict is
+    registered before the layers)."""
+    from ..params import parameter_tensors
+
+    m = job.model
+    tensors = parameter_tensors(m)
+    embed = tensors[0]
+    wpe = [t for t in tensors if t.name == "transformer.wpe.weight"]
+    body = [t for t in tensors if t.layer in stage.layers]
+    ends = [t for t in tensors if t.layer is None and t is not embed and t not in wpe]
+    built: list[tuple[str, int]] = []
+    if stage.first:
+        built.append((embed.name, embed.numel))
+    if stage.positions:
+        built += [(t.name, t.numel) for t in wpe]
+    built += [(t.name, t.numel) for t in body]
+    if stage.head:
+        built += [(t.name, t.numel) for t in ends]  # final norm, then lm_head when untied
+        if m.tie_word_embeddings:
+            built.append((embed.name, embed.numel))
+    if m.tie_word_embeddings and stage.embedding:
+        registered = [(embed.name, embed.numel)] + [x for x in built if x[0] != embed.name]
+    else:
+        registered = list(built)
+    return built, registered
+
+
+class PipeStage:
+    """The engine's pipe buffers and the stage's persistent tensors across train_batch calls."""
+
+    def __init__(self, L: Ledger, job: Job, stage: Stage, engine, forward, on_grad, before_matmul, shape):
+        t = job.training
+        self.shape = shape
+        self.L, self.job, self.stage, self.engine, self.forward_fn = L, job, stage, engine, forward
+        self.on_grad, self.before_matmul = on_grad, before_matmul
+        self.b = dtype_bytes(t.dtype)
+        self.B, self.S, self.ga = t.micro_batch, t.seq_len, t.grad_accum
+        self.h = job.model.hidden_size
+        self.llama = job.model.family != "gpt2"
+        self.scaler = t.zero.stage >= 1  # DeepSpeedZeroOptimizer.scale_if_loss
+        n = P.num_pipe_buffers(stage.stages, stage.index, t.grad_accum)
+        self.inputs: list = [None] * n
+        self.labels: list = [None] * n
+        self.outputs: list = [None] * n
+        self.graphs: list = [None] * n  # each in-flight micro-batch's Autograd and its leaves
+        self.ids: Tensor | None = None  # the data iterator's last ids (its generator frame)
+        self.grad_layer: Tensor | None = None
+        self.recv_buf: tuple | None = None
+        self.loss: Tensor | None = None
+        self.fwd_outputs: list[Tensor] = []
+        self.total_loss: Tensor | None = None
+        self.host = Autograd(L)  # plain tensors outside any graph (buffers, inputs, scalars)
+
+    # -- instructions ---------------------------------------------------------------------------------
+    def load(self, buf: int) -> None:
+        h = self.host
+        old = self.ids
+        self.ids = h.empty("loop.input_ids", INT64 * self.B * self.S, component=INPUTS)
+        h.release(old)
+        if self.stage.first:
+            self._set(self.inputs, buf, h.empty("pipe.inputs.ids_clone", INT64 * self.B * self.S, component=INPUTS))
+        if self.stage.last:
+            self._set(self.labels, buf, h.ref(self.ids))
+
+    def recv_activation(self, buf: int) -> None:
+        h = self.host
+        if self.recv_buf is None:  # _recv_tensor_meta → _allocate_or_extend_buffers (emulate_recv_meta)
+            hidden = h.empty("pipe.recv_buf.hidden", self.b * self.B * self.S * self.h, component=PIPE)
+            pos = (h.empty("pipe.recv_buf.position_ids", INT64 * self.B * self.S, component=PIPE)
+                   if self.llama else None)
+            self.recv_buf = (hidden, pos)
+        hidden = h.empty("pipe.inputs.hidden", self.b * self.B * self.S * self.h, component=PIPE)
+        pos = h.empty("pipe.inputs.position_ids", INT64 * self.B * self.S, component=PIPE) if self.llama else None
+        self._set(self.inputs, buf, (hidden, pos))
+
+    def forward(self, buf: int) -> None:
+        ag = Autograd(self.L, on_param_grad=self.on_grad)
+        ag.before_matmul = self.before_matmul
+        x = self.inputs[buf]
+        if self.stage.first:
+            fin = ag.empty("pipe.forward_input", INT64 * self.B * self.S, component=INPUTS)  # inputs.clone()
+            ins = (fin,)
+        else:
+            hidden, pos = x
+            hidden.requires_grad = True  # recvd.requires_grad = is_floating_point()
+            ag.input_leaf(hidden)  # its AccumulateGrad holds it and keeps its .grad: both live with the graph
+            hc = B.clone(ag, hidden, "pipe.forward_input.hidden")
+            pc = ag.empty("pipe.forward_input.position_ids", pos.nbytes, component=INPUTS) if pos is not None else None
+            ins = (hc, pc)
+        out = self.forward_fn(ag, ins, self)
+        if self.stage.last:
+            # the outputs buffer takes the logits; the previous ones there die, their grad_fn first with the rest
+            # of that micro-batch's graph: its AccumulateGrad holds the received hidden states (and their .grad)
+            old_graph, old_out = self.graphs[buf], self.outputs[buf]
+            self.outputs[buf] = out
+            if old_graph is not None:
+                old_graph[0].release_leaves(old_graph[1])
+            for t in old_out or ():
+                ag.release(t)
+            (logits,) = out
+            loss = causal_lm_loss(ag, self.job.model, self.shape, logits)
+            old = self.loss
+            self.loss = loss
+            self.fwd_outputs.append(ag.ref(loss))  # self.loss.detach(): the same storage
+            if self.total_loss is None:
+                self.total_loss = self.host.empty("pipe.total_loss", FP32, component=SCALARS)  # zeros_like
+            if old is not None:
+                ag.release(old)
+        else:
+            self._set(self.outputs, buf, out)
+        for t in ins:
+            ag.release(t)  # _exec_forward_pass's ``inputs`` local dies as it returns
+        self.graphs[buf] = (ag, ag.take_leaves())
+
+    def recv_grad(self, buf: int) -> None:
+        if self.grad_layer is None:  # _allocate_or_extend_buffers over the float outputs
+            self.grad_layer = self.host.empty("pipe.grad_layer", self.b * self.B * self.S * self.h, component=PIPE)
+
+    def backward(self, buf: int) -> None:
+        ag, leaves = self.graphs[buf]
+        if self.stage.last:  # DeepSpeedEngine.backward(self.loss)
+            made = [ag.op("engine.loss_over_gas", FP32, (self.loss,), component=SCALARS)]
+            if self.scaler:
+                made.append(ag.op("engine.scaled_loss", FP32, (made[-1],), component=SCALARS))
+            ag.backward(made[-1], FP32)
+            self.engine.end_backward(ag, False)
+            for t in reversed(made):
+                ag.release(t)
+        else:
+            (hidden, *_rest) = self.outputs[buf]
+            ag.backward_from(hidden, ag.ref(self.grad_layer))  # the buffer keeps its reference
+            self.engine.end_backward(ag, False)
+            self._set(self.outputs, buf, None)
+        self.graphs[buf] = (ag, leaves)
+
+    def send_grad(self, buf: int) -> None:
+        """The input buffer is dropped; the received hidden states live on in the graph the logits hold."""
+        self._set(self.inputs, buf, None)
+
+    def end_batch(self) -> None:
+        """train_batch's end: _aggregate_total_loss, then fwd_outputs reset at the next _exec_schedule."""
+        for t in self.fwd_outputs:
+            self.host.release(t)
+        self.fwd_outputs = []
+        if self.total_loss is not None:
+            self.host.release(self.total_loss)
+            self.total_loss = None
+
+    def _set(self, slots: list, buf: int, value) -> None:
+        old = slots[buf]
+        slots[buf] = value
+        for t in (old if isinstance(old, tuple) else (old,)):
+            self.host.release(t)
+
+
+def build_pipeline_ledger(job: Job, stage_index: int, steps: int = 3, skipped=(), *, cpu_run: bool = False
+                          ) -> Ledger:
+    """Stage ``stage_index``'s allocation ledger: the stage built, deepspeed.initialize, ``steps`` train_batch
+    calls (see the module docstring). ``skipped``: optimizer steps the fp16 loss scaler skips."""
+    from .bf16opt import BF16Optimizer
+    from .pipeline_stage import stage_forward
+    from .places import Places
+    from .program import CUBLAS_WORKSPACE_BYTES, engine_for, shape
+    from .transformer import Net, Params, Shape
+    from .zero0 import Zero0
+
+    skipped = frozenset(skipped)
+    t = job.training
+    b = dtype_bytes(t.dtype)
+    stage = stage_of(job, stage_index)
+    built, registered = stage_parameters(job, stage)
+    L = Ledger()
+    L.mark("init")
+    ids = {}
+    for name, numel in built:  # PipelineModule._build under torch.device(device), default dtype the train dtype
+        if name not in ids:
+            ids[name] = L.alloc(name, numel * b, "params_16bit")
+    # the rank measured: the first stage's first (global rank 0), the last stage's last (world - 1, as verify's
+    # runner emulates it): PipeDataParallelTopology numbers ranks stage-major, so its data-parallel rank is dp - 1
+    dp_rank = job.layout.dp - 1 if stage.last else 0
+    engine = engine_for(L, job, lambda name: True, Places(L, None, cpu_run), registered, dp_rank)
+    engine.initialize(ids)
+    workspaces: list[int] = []
+
+    def workspace() -> None:
+        if len(workspaces) < 2 and not cpu_run:  # no cuBLAS on the CPU accelerator
+            workspaces.append(L.alloc("cublas.workspace", CUBLAS_WORKSPACE_BYTES, "cuda_workspaces"))
+
+    def first_matmul() -> None:
+        if not workspaces:
+            workspace()
+
+    def on_grad(param, grad) -> None:
+        if len(workspaces) == 1 or (cpu_run and not workspaces):  # the first grad: the first backward matmul, on the autograd engine's thread
+            workspace()
+        engine.on_param_grad(current[0], param, grad)
+
+    current: list = [None]
+    params = Params(Autograd(L), job.model, b, lambda name: True)
+    base = shape(job)
+    s = Shape(base.batch, base.seq, base.attn_seq, b, positions_given=True)  # rotary rows: the [B, S] ids
+
+    def net_of(ag: Autograd) -> Net:
+        current[0] = ag
+        return Net(ag, job.model, s, params, attention=t.attention, dtype=t.dtype, device="cpu" if cpu_run else "cuda")
+
+    pipe = PipeStage(L, job, stage, engine, lambda ag, ins, p: stage_forward(ag, ins, p, net_of), on_grad,
+                     first_matmul, s)
+    pipe.rotary_key = pipe.rotary_value = None
+    stepped: list[int] = []
+    for step in range(steps):
+        L.mark(f"step{step}.setup")
+        counts = {P.FORWARD: 0, P.BACKWARD: 0}
+        for k, (kind, buf) in enumerate(P.train_instructions(stage.stages, stage.index, t.grad_accum)):
+            if kind in counts:
+                L.mark(f"step{step}.micro{counts[kind]}.{kind.split('_')[0]}")
+                counts[kind] += 1
+            elif kind == P.OPTIMIZER_STEP:
+                L.mark(f"step{step}.step")
+            else:
+                L.mark(f"step{step}.i{k:02d}.{kind}")
+            if kind == P.LOAD:
+                pipe.load(buf)
+            elif kind == P.RECV_ACT:
+                pipe.recv_activation(buf)
+            elif kind == P.FORWARD:
+                pipe.forward(buf)
+            elif kind == P.RECV_GRAD:
+                pipe.recv_grad(buf)
+            elif kind == P.BACKWARD:
+                current[0] = pipe.graphs[buf][0]
+                pipe.backward(buf)
+            elif kind == P.SEND_GRAD:
+                pipe.send_grad(buf)
+            elif kind == P.REDUCE_GRADS:
+                engine.end_backward(pipe.host, True)
+            elif kind == P.OPTIMIZER_STEP:
+                if step in skipped:
+                    engine.skip(pipe.host)
+                else:
+                    first = not stepped
+                    stepped.append(step)
+                    if isinstance(engine, (Zero0, BF16Optimizer)):
+                        engine.step(pipe.host, first)
+                    else:
+                        engine.step(first)
+        pipe.end_batch()
+    return L
