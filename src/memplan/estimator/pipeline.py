@@ -20,6 +20,7 @@ it. What each instruction allocates and keeps:
   next forward replaces it, and its detached storage in ``fwd_outputs`` for the batch), ``total_loss``
   (``zeros_like`` at the first micro-batch) — and its outputs buffer, the logits, is only replaced by the forward
   that reuses the buffer id (_exec_backward_pass returns before clearing it): num_pipe_buffers ≥ 2 logits live.
+- SendActivation: the first one's _send_tensor_meta buffer (256 int32 on the device), dropped as it returns.
 - RecvGrad (earlier stages): the first one allocates the gradient buffer of the float outputs, kept for the run.
 - BackwardPass: the last stage runs ``engine.backward(self.loss)`` (loss / gas, the ZeRO optimizer's
   scale_if_loss); the others ``outputs.backward(gradient=grad_buffer)`` (the buffer is the root's gradient and
@@ -46,7 +47,9 @@ from . import pipe_schedule as P
 from .autograd import Autograd, Tensor
 from .transformer import causal_lm_loss
 
-INT64, FP32 = 8, 4
+INT64, FP32, INT32 = 8, 4, 4
+#: PipelineEngine's TENSOR_META_SIZE: int32 elements of the metadata buffer the first send fills
+TENSOR_META_SIZE = 256
 #: optimizer steps a stage's ledger runs: all three verify measures. Unlike the unpipelined ledger
 #: (estimator.ledger_steps), a later step is not a repeat of the second for the caching allocator: the in-flight
 #: micro-batches' activations land in other free blocks each step, so reserved memory still grows at the third
@@ -154,9 +157,15 @@ class PipeStage:
         self.grad_layer: Tensor | None = None
         self.recv_buf: tuple | None = None
         self.loss: Tensor | None = None
+        self.loss_graph: tuple | None = None  # the graph self.loss holds (the last forward's)
         self.fwd_outputs: list[Tensor] = []
         self.total_loss: Tensor | None = None
         self.host = Autograd(L)  # plain tensors outside any graph (buffers, inputs, scalars)
+        self.sent = False  # first_output_send: the tensor metadata goes with the first send only
+        self.cpu_run = False
+        self.rotary_key: Tensor | None = None  # StageRotary's cache (pipeline_stage._stage_rotary)
+        self.rotary_value: tuple | None = None
+        self.rotary_made = False
 
     # -- instructions ---------------------------------------------------------------------------------
     def load(self, buf: int) -> None:
@@ -198,33 +207,52 @@ class PipeStage:
         if self.stage.last:
             # the outputs buffer takes the logits; the previous ones there die, their grad_fn first with the rest
             # of that micro-batch's graph: its AccumulateGrad holds the received hidden states (and their .grad)
+            # (unless ``self.loss`` still holds that graph: it is the previous micro-batch's, and dies below)
             old_graph, old_out = self.graphs[buf], self.outputs[buf]
             self.outputs[buf] = out
-            if old_graph is not None:
+            if old_graph is not None and old_graph is not self.loss_graph:
                 old_graph[0].release_leaves(old_graph[1])
             for t in old_out or ():
                 ag.release(t)
             (logits,) = out
             loss = causal_lm_loss(ag, self.job.model, self.shape, logits)
-            old = self.loss
+            old, old_lg = self.loss, self.loss_graph
             self.loss = loss
+            if old is not None:
+                ag.release(old)
+            if old_lg is not None and old_lg is old_graph:  # its logits went above: the loss held it last
+                old_lg[0].release_leaves(old_lg[1])
             self.fwd_outputs.append(ag.ref(loss))  # self.loss.detach(): the same storage
             if self.total_loss is None:
                 self.total_loss = self.host.empty("pipe.total_loss", FP32, component=SCALARS)  # zeros_like
-            if old is not None:
-                ag.release(old)
         else:
             self._set(self.outputs, buf, out)
         for t in ins:
             ag.release(t)  # _exec_forward_pass's ``inputs`` local dies as it returns
         self.graphs[buf] = (ag, ag.take_leaves())
+        self.loss_graph = self.graphs[buf] if self.stage.last else None
+
+    def send_activation(self, buf: int) -> None:
+        """The first send's _send_tensor_meta: ``torch.empty(TENSOR_META_SIZE, int32)`` on the device (256 int32)
+        and the metadata list as a host tensor (``torch.tensor(meta_buf_list, int32)``: on the CPU accelerator the
+        same memory), both dropped as it returns; p2p.send allocates nothing."""
+        if self.sent:
+            return
+        self.sent = True
+        h = self.host
+        meta = h.empty("pipe.send_meta", INT32 * TENSOR_META_SIZE, component=PIPE)
+        dims = [3, 2] if self.llama else [3]  # hidden [B, S, h] (and the position ids [B, S])
+        count = 2 + sum(2 + d for d in dims) if self.llama else 3 + dims[0]
+        listed = h.empty("pipe.send_meta.list", INT32 * count, component=PIPE) if self.cpu_run else None
+        h.release(listed)
+        h.release(meta)
 
     def recv_grad(self, buf: int) -> None:
         if self.grad_layer is None:  # _allocate_or_extend_buffers over the float outputs
             self.grad_layer = self.host.empty("pipe.grad_layer", self.b * self.B * self.S * self.h, component=PIPE)
 
     def backward(self, buf: int) -> None:
-        ag, leaves = self.graphs[buf]
+        ag = self.graphs[buf][0]
         if self.stage.last:  # DeepSpeedEngine.backward(self.loss)
             made = [ag.op("engine.loss_over_gas", FP32, (self.loss,), component=SCALARS)]
             if self.scaler:
@@ -238,7 +266,6 @@ class PipeStage:
             ag.backward_from(hidden, ag.ref(self.grad_layer))  # the buffer keeps its reference
             self.engine.end_backward(ag, False)
             self._set(self.outputs, buf, None)
-        self.graphs[buf] = (ag, leaves)
 
     def send_grad(self, buf: int) -> None:
         """The input buffer is dropped; the received hidden states live on in the graph the logits hold."""
@@ -313,7 +340,7 @@ def build_pipeline_ledger(job: Job, stage_index: int, steps: int = 3, skipped=()
 
     pipe = PipeStage(L, job, stage, engine, lambda ag, ins, p: stage_forward(ag, ins, p, net_of), on_grad,
                      first_matmul, s)
-    pipe.rotary_key = pipe.rotary_value = None
+    pipe.cpu_run = cpu_run
     stepped: list[int] = []
     for step in range(steps):
         L.mark(f"step{step}.setup")
@@ -332,6 +359,8 @@ def build_pipeline_ledger(job: Job, stage_index: int, steps: int = 3, skipped=()
                 pipe.recv_activation(buf)
             elif kind == P.FORWARD:
                 pipe.forward(buf)
+            elif kind == P.SEND_ACT:
+                pipe.send_activation(buf)
             elif kind == P.RECV_GRAD:
                 pipe.recv_grad(buf)
             elif kind == P.BACKWARD:

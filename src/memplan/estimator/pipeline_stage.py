@@ -105,6 +105,9 @@ def _stage_rotary(ag: Autograd, net: Net, pipe, pos: Tensor) -> tuple[Tensor, Te
     position ids as the key (the previous forward's pair and key die as the new ones are bound)."""
     if pipe.rotary_key is pos:
         return pipe.rotary_value
+    if not pipe.rotary_made:  # the module, made at the first call under torch.device(hidden.device)
+        pipe.rotary_made = True
+        _rotary_module(ag, net.m)
     value = rotary(ag, net.m, net.s)
     old_key, old_value = pipe.rotary_key, pipe.rotary_value
     pipe.rotary_key, pipe.rotary_value = ag.ref(pos), value
@@ -112,3 +115,21 @@ def _stage_rotary(ag: Autograd, net: Net, pipe, pos: Tensor) -> tuple[Tensor, Te
     for t in old_value or ():
         ag.release(t)
     return value
+
+
+def _rotary_module(ag: Autograd, m) -> None:
+    """LlamaRotaryEmbedding(config) on the device: the default rope init's ``1.0 / (base ** (torch.arange(0, dim,
+    2).float() / dim))`` (the arange as fp32, the division, the power, the reciprocal, times attention_scaling:
+    [d/2] fp32 temporaries), registered as inv_freq, and ``original_inv_freq = inv_freq.clone()``: two [d/2]
+    fp32 tensors kept for the run."""
+    n = 4 * (m.head_dim // 2)
+    arange = ag.empty("rope.init.arange", n)
+    ratio = ag.empty("rope.init.ratio", n)
+    ag.release(arange)
+    power = ag.empty("rope.init.power", n)
+    ag.release(ratio)
+    inverse = ag.empty("rope.init.reciprocal", n)
+    ag.empty("rope.inv_freq", n)  # kept by the module
+    ag.release(power)
+    ag.release(inverse)
+    ag.empty("rope.original_inv_freq", n)  # kept by the module
