@@ -141,7 +141,7 @@ def ledger_trace(job: Job) -> dict | None:
     """The job's predicted ledger and its replay as Chrome trace-event JSON (memplan.allocator.chrome: counter
     tracks for allocated and reserved, one slice per tensor), or None when the ledger does not model the job.
     With gradient accumulation folded (estimator/fold.py) the trace shows the micro-steps actually built."""
-    if not ledger_supported(job) or job.layout.pp > 1:  # pipeline stages: not drawn yet
+    if not ledger_supported(job):
         return None
     from ..allocator import simulate
     from ..allocator.chrome import chrome_trace
@@ -150,6 +150,18 @@ def ledger_trace(job: Job) -> dict | None:
     from .summary import allocator_config
 
     steps, config = ledger_steps(), allocator_config(job)
+    if job.layout.pp > 1:  # the most loaded of the first and the last stage
+        from .pipeline import PIPELINE_STEPS, build_pipeline_ledger
+
+        runs = []
+        for k in (0, job.layout.pp - 1):
+            L = build_pipeline_ledger(job, k, PIPELINE_STEPS)
+            runs.append((L, simulate(L, config), k))
+        L, sim, stage = max(runs, key=lambda r: max(p.peak_allocated_bytes for p in r[1].phases))
+        trace = chrome_trace(L, sim)
+        trace["otherData"].update(job=job.model.name, pipeline_stage=stage, micro_steps=job.training.grad_accum,
+                                  optimizer_steps=PIPELINE_STEPS)
+        return trace
     short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, (), config)
     L, sim = short if short is not None else (build_ledger(job, steps=steps), None)
     trace = chrome_trace(L, sim or simulate(L, config))
