@@ -98,15 +98,15 @@ def _attention_modelled(m, attention: str, seq: int | None = None, b: int = 2, m
 
 def _unmodelled_fp32_accumulation(job: Job) -> bool:
     """fp32 gradient accumulation the ledger does not model yet: ZeRO-1 other than BF16_Optimizer (fp16, or
-    offloaded: DeepSpeedZeroOptimizer's grad_accum attribute) and ZeRO-2 offloaded (its fp32 compact partition
-    buffer); BF16_Optimizer (bf16, ZeRO-1, no offload) and ZeRO-2 on the GPU are modelled."""
+    offloaded: DeepSpeedZeroOptimizer's grad_accum attribute); BF16_Optimizer (bf16, ZeRO-1, no offload), ZeRO-2
+    on the GPU and ZeRO-2 offloaded (its fp32 compact partition, zero12.Zero12 ``compact``) are modelled."""
     from .states import fp32_accumulation
 
     t, z = job.training, job.training.zero
     if not fp32_accumulation(job):
         return False
     offload = z.offload_optimizer != "none"
-    return (z.stage == 1 and (t.dtype != "bf16" or offload)) or (z.stage == 2 and offload)
+    return z.stage == 1 and (t.dtype != "bf16" or offload)
 
 
 def ledger_steps(skipped=()) -> int:

@@ -31,7 +31,7 @@ from .families import forward as forward_of
 from .optim import Optimizer
 from .peft_linear import adapter_tensors, build_adapters, cast_adapters
 from .places import Places
-from .states import picks_bf16_optimizer
+from .states import fp32_accumulation, picks_bf16_optimizer
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
 from .zero3 import Zero3
@@ -96,7 +96,8 @@ def engine_for(L: Ledger, job: Job, trainable, places: Places, every: list[tuple
         # _configure_zero_optimizer turns overlap_comm off for a PipelineModule ("Pipeline parallelism does not
         # support overlapped communication, will be disabled.")
         return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap and lay.pp == 1, t.grad_accum, opt,
-                      comm, offload=z.offload_optimizer != "none", pipeline=lay.pp > 1)
+                      comm, offload=z.offload_optimizer != "none", pipeline=lay.pp > 1,
+                      compact=fp32_accumulation(job))
     comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b  # the engine's communication_data_type
     all_names = [k for k, _ in every]
     all_numels = [n for _, n in every]

@@ -82,7 +82,7 @@ class Zero12:
 
     def __init__(self, ledger: Ledger, stage: int, groups: list[FlatGroup], b: int, reduce_bucket: int,
                  overlap_comm: bool, grad_accum: int, optimizer: Optimizer, comm_bytes: int | None = None,
-                 offload: bool = False, pipeline: bool = False):
+                 offload: bool = False, pipeline: bool = False, compact: bool = False):
         self.L, self.stage, self.groups, self.b = ledger, stage, groups, b
         self.rbs, self.overlap, self.ga, self.opt = reduce_bucket, overlap_comm, grad_accum, optimizer
         self.comm_b = comm_bytes or b  # allreduce_bucket's dtype: fp32 under Ulysses (program.engine_for)
@@ -100,6 +100,12 @@ class Zero12:
         #: under a PipelineEngine reduce_gradients(pipeline_parallel=True) allocates one more IPG buffer (with
         #: contiguous_gradients: "with PP we must create ipg buffer, since backward is handled outside zero")
         self.pipeline = pipeline
+        #: offloaded with fp32 accumulation of 16-bit grads (_use_compact_grad_partition_buffer under cpu_offload):
+        #: the reduced grads are added, cast to fp32, into a compact fp32 partition on the GPU
+        #: (_build_compact_grad_partition_buffer: zeros of the partition, at the first reduction of one of its
+        #: slices, until the step)
+        self.compact = compact and offload and stage == 2
+        self.compact_buffer: int | None = None
 
     # -- init -------------------------------------------------------------------------------------------
     def initialize(self, param_ids: dict[str, int]) -> None:
@@ -165,6 +171,9 @@ class Zero12:
         """average_tensor on the bucket's contents, then each parameter's grad to its partition or dropped."""
         if not self.bucket_params:
             return
+        if self.compact:
+            self._reduce_into_compact(ag)
+            return
         s = self.stream
         pieces = []  # (destination, elements) merged over consecutive same-destination slices
         for name, _ in self.bucket_params:
@@ -194,14 +203,53 @@ class Zero12:
                 ag.release(kept)
         self.bucket_params, self.bucket_elements = [], 0
 
-    def _allreduce(self, small: list[tuple[int, int]], elements: int, stream: int) -> None:
-        """allreduce_bucket: flatten (a copy when there are several slices), cast to fp32 for Ulysses."""
+    def _allreduce(self, small: list, elements: int, stream: int, local: tuple[int, ...] = ()) -> None:
+        """allreduce_bucket: flatten (a copy when there are several slices), cast to fp32 for Ulysses; ``local``:
+        the elements of each slice of this rank's compact fp32 partition it adds into, each cast to fp32 first
+        (_add_to_grad_partition_buffer: ``output.add_(source.to(output.dtype))``) while the flat copy lives."""
         L = self.L
         flat = L.alloc("zero.allreduce_flat", self.b * elements, "grad_bucket", stream) if len(small) > 1 else None
         if self.comm_b != self.b:
             L.free(L.alloc("zero.allreduce_fp32", self.comm_b * elements, "grad_bucket", stream))
+        for n in local:
+            L.free(L.alloc("zero.compact_add_fp32", FP32 * n, "grad_bucket", stream))
         if flat is not None:
             L.free(flat)
+
+    def _reduce_into_compact(self, ag: Autograd) -> None:
+        """average_tensor with the compact fp32 partition: the partition built at the first reduction that holds a
+        slice of this rank's partition (_get_compact_grad_partition_slice, for the local partition only); the
+        bucket's slices grouped by destination rank (rank_and_offsets → buckets per ("reduce", dst)), each group's
+        slices all-reduced in buckets of reduce_bucket_size elements (allreduce_no_retain), this rank's slices
+        added into the partition; then, at the boundary, copy_grads_in_partition per parameter in the partition
+        (its slice's fp64 norm; the copy to the host's fp32 grad allocates nothing on the GPU)."""
+        L, s = self.L, self.stream
+        by_dst: dict[int, list[int]] = {}
+        for name, _ in self.bucket_params:
+            g, i = self.index[name]
+            for dst, n in self.groups[g].slices(i):
+                by_dst.setdefault(dst, []).append(n)
+        rank = self.groups[0].rank
+        if self.compact_buffer is None and rank in by_dst:  # built by the first slice of this rank's partition
+            part = sum(grp.partition for grp in self.groups)
+            self.compact_buffer = L.alloc("zero.compact_grad_partition", FP32 * part, "gradients", s)
+        for dst, pieces in by_dst.items():
+            small: list[int] = []
+            for n in pieces:
+                small.append(n)
+                if sum(small) > self.rbs:
+                    self._allreduce(small, sum(small), s, tuple(small) if dst == rank else ())
+                    small = []
+            if small:
+                self._allreduce(small, sum(small), s, tuple(small) if dst == rank else ())
+        for name, kept in self.bucket_params:
+            g, i = self.index[name]
+            n = self.groups[g].overlap(i)
+            if n and self.micro + 1 >= self.ga:  # the boundary: set_norm of the slice in fp64
+                L.free(L.alloc("zero.offload_norm_fp64", FP64 * n, "offload_staging", s))
+            if kept is not None:
+                ag.release(kept)
+        self.bucket_params, self.bucket_elements = [], 0
 
     def _offload_piece(self, n: int) -> None:
         """copy_grads_in_partition under cpu_offload at the boundary: set_norm_for_param_grad_in_gpu (the piece
@@ -260,6 +308,9 @@ class Zero12:
         """DeepSpeedZeroOptimizer.step at a boundary."""
         L, b = self.L, self.b
         if self.offload:  # the norm and the optimizer run on the host (DeepSpeedCPUAdam)
+            if self.compact_buffer is not None:  # averaged_gradients dropped with the step
+                L.free(self.compact_buffer)
+                self.compact_buffer = None
             self.micro = 0
             return
         for grp in self.groups:  # scaled_global_norm → get_grad_norm_direct: one fp64 piece at a time
