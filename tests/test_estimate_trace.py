@@ -25,8 +25,8 @@ def test_the_trace_holds_the_estimates_peaks(tmp_path, capsys):
 
 def test_a_job_without_a_ledger_is_refused_and_nothing_written(tmp_path, capsys):
     path = tmp_path / "ledger.json"
-    pipeline = [*JOB[:JOB.index("--zero")], "--zero", "1", *JOB[JOB.index("--zero") + 2:], "--pp", "2"]
-    assert main([*pipeline, "--trace", str(path)]) == 2  # pipeline stages: phase lists only
+    tensor_parallel = [*JOB, "--tp", "2"]
+    assert main([*tensor_parallel, "--trace", str(path)]) == 2  # AutoTP: phase lists only
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memplan: error: --trace:")
     assert not path.exists()
@@ -36,3 +36,13 @@ def test_a_folder_is_not_a_trace_file(tmp_path, capsys):
     assert main([*JOB, "--trace", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memplan: error: --trace")
+
+
+def test_a_pipeline_job_traces_its_most_loaded_stage(tmp_path):
+    path = tmp_path / "ledger.json"
+    pipeline = [*JOB[:JOB.index("--zero")], "--zero", "1", *JOB[JOB.index("--zero") + 2:], "--pp", "2",
+                "--grad-accum", "2"]
+    assert main([*pipeline, "--trace", str(path)]) == 0
+    trace = json.loads(path.read_text())
+    assert trace["otherData"]["pipeline_stage"] in (0, 1)
+    assert any(e.get("name") == "reserved" for e in trace["traceEvents"])

@@ -56,6 +56,22 @@ TENSOR_META_SIZE = 256
 #: (the H200 row s4-084, Mistral-7B pp 4: 28.9, 32.6, 36.1 GiB at the end of each step; the ledger replays it
 #: within 0.3 %)
 PIPELINE_STEPS = 3
+#: micro-batches per step `plan` confirms a pipeline candidate with (at least; see steady_state_job)
+PLAN_MICRO_BATCHES = 8
+
+
+def steady_state_job(job: Job) -> Job:
+    """The job with its micro-batches per step cut to what shows 1F1B's whole pattern, for `plan`'s
+    confirmations: the warm-up fills the first stage's pp in-flight micro-batches, each steady unit (one forward,
+    one backward) after the first backward issues the same allocations, then the cool-down; so max(2·pp + 2,
+    PLAN_MICRO_BATCHES) micro-batches hold every distinct unit and the peak allocated is the whole job's (up to
+    blocks the caching allocator hands out unsplit). Reserved memory may still grow over more steady units (the
+    free lists drift: the allocator's state does not repeat within 32 of them on a tiny Llama), so the estimate
+    of one job always builds them all; `plan` says when it confirmed a pipeline row this way."""
+    keep = max(2 * job.layout.pp + 2, PLAN_MICRO_BATCHES)
+    if job.layout.pp == 1 or job.training.grad_accum <= keep:
+        return job
+    return job.model_copy(update={"training": job.training.model_copy(update={"grad_accum": keep})})
 INPUTS, SCALARS, PIPE = "inputs", "loop_scalars", "pipe_buffers"
 
 
@@ -287,6 +303,23 @@ class PipeStage:
             self.host.release(t)
 
 
+def instruction_labels(instructions: list[tuple[str, int]], step: int) -> list[str]:
+    """The phase of each instruction, as memplan.verify.pipeline.InstructionPhases names it:
+    ``step{s}.micro{m}.forward`` / ``.backward`` (m counts the stage's own), ``step{s}.step``, and
+    ``step{s}.i{k}.<instruction>`` (k its index in the batch's schedule) for the rest."""
+    counts = {P.FORWARD: 0, P.BACKWARD: 0}
+    out = []
+    for k, (kind, _buf) in enumerate(instructions):
+        if kind in counts:
+            out.append(f"step{step}.micro{counts[kind]}.{kind.split('_')[0]}")
+            counts[kind] += 1
+        elif kind == P.OPTIMIZER_STEP:
+            out.append(f"step{step}.step")
+        else:
+            out.append(f"step{step}.i{k:02d}.{kind}")
+    return out
+
+
 def build_pipeline_ledger(job: Job, stage_index: int, steps: int = 3, skipped=(), *, cpu_run: bool = False
                           ) -> Ledger:
     """Stage ``stage_index``'s allocation ledger: the stage built, deepspeed.initialize, ``steps`` train_batch
@@ -342,17 +375,11 @@ def build_pipeline_ledger(job: Job, stage_index: int, steps: int = 3, skipped=()
                      first_matmul, s)
     pipe.cpu_run = cpu_run
     stepped: list[int] = []
+    instructions = P.train_instructions(stage.stages, stage.index, t.grad_accum)
     for step in range(steps):
         L.mark(f"step{step}.setup")
-        counts = {P.FORWARD: 0, P.BACKWARD: 0}
-        for k, (kind, buf) in enumerate(P.train_instructions(stage.stages, stage.index, t.grad_accum)):
-            if kind in counts:
-                L.mark(f"step{step}.micro{counts[kind]}.{kind.split('_')[0]}")
-                counts[kind] += 1
-            elif kind == P.OPTIMIZER_STEP:
-                L.mark(f"step{step}.step")
-            else:
-                L.mark(f"step{step}.i{k:02d}.{kind}")
+        for (kind, buf), label in zip(instructions, instruction_labels(instructions, step)):
+            L.mark(label)
             if kind == P.LOAD:
                 pipe.load(buf)
             elif kind == P.RECV_ACT:

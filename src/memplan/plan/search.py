@@ -31,8 +31,12 @@ def default_peak_fn() -> PeakFn:
     """The estimator's figure for one job: memplan.estimator.quick_peak (no typed breakdown; the allocation
     ledger where it models the job)."""
     from ..estimator import quick_peak
+    from ..estimator.pipeline import steady_state_job
 
-    return quick_peak
+    def peak(job: Job, **kw):  # a pipeline candidate through its steady state (pipeline.steady_state_job)
+        return quick_peak(steady_state_job(job), **kw)
+
+    return peak
 
 
 def default_screen_fn() -> PeakFn:
@@ -347,6 +351,12 @@ def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, 
         if limited:
             notes = (*notes, (f"{len(shown)} rows confirmed by the estimator before its limit of {runs} runs; "
                               "the screened rows after them are not shown"))
+        from ..estimator.pipeline import steady_state_job
+
+        if any(steady_state_job(c.job) is not c.job for c in shown):
+            notes = (*notes, ("pipeline rows were confirmed through their steady state (fewer micro-batches per "
+                              "step, the same 1F1B pattern): peak allocated as the whole job's, reserved possibly "
+                              "lower; `memplan estimate` on a row builds every micro-batch"))
     n_feasible = len(feasible)
     feasible = _merge_attention(feasible)
     misses.sort(key=lambda c: (_overshoot(space, c), c.device_total_bytes))
