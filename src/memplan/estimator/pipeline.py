@@ -64,8 +64,10 @@ def steady_state_job(job: Job) -> Job:
     """The job with its micro-batches per step cut to what shows 1F1B's whole pattern, for `plan`'s
     confirmations: the warm-up fills the first stage's pp in-flight micro-batches, each steady unit (one forward,
     one backward) after the first backward issues the same allocations, then the cool-down; so max(2·pp + 2,
-    PLAN_MICRO_BATCHES) micro-batches hold every distinct unit and the peak allocated is the whole job's (up to
-    blocks the caching allocator hands out unsplit). Reserved memory may still grow over more steady units (the
+    PLAN_MICRO_BATCHES) micro-batches hold every distinct unit and the peak allocated is the whole job's but for
+    the last stage's per-micro-batch losses (``fwd_outputs``: one 512-byte block each, kept for the batch; a
+    few KiB, on tiny Llama / GPT-2 / Qwen3 stacks at 19–25 micro-batches). Reserved memory may still grow over
+    more steady units (the
     free lists drift: the allocator's state does not repeat within 32 of them on a tiny Llama), so the estimate
     of one job always builds them all; `plan` says when it confirmed a pipeline row this way."""
     keep = max(2 * job.layout.pp + 2, PLAN_MICRO_BATCHES)

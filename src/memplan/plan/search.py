@@ -355,8 +355,8 @@ def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, 
 
         if any(steady_state_job(c.job) is not c.job for c in shown):
             notes = (*notes, ("pipeline rows were confirmed through their steady state (fewer micro-batches per "
-                              "step, the same 1F1B pattern): peak allocated as the whole job's, reserved possibly "
-                              "lower; `memplan estimate` on a row builds every micro-batch"))
+                              "step, the same 1F1B pattern): peak allocated within a few KiB of the whole job's, "
+                              "reserved possibly lower; `memplan estimate` on a row builds every micro-batch"))
     n_feasible = len(feasible)
     feasible = _merge_attention(feasible)
     misses.sort(key=lambda c: (_overshoot(space, c), c.device_total_bytes))
