@@ -88,8 +88,9 @@ class Autograd:
         #: parameters a live node saved through a view (blocks_moe.grouped_mm: ``weight.transpose(-2, -1)``):
         #: the view keeps the gathered storage when ZeRO-3 swaps param.data for its partition
         self.saved_param_views: set[str] = set()
-        #: called with a frozen parameter's name when a node releases it from its saved tensors (ZeRO-3: the
-        #: gathered storage a checkpoint's recompute kept for it goes then; a trained one's goes at its grad)
+        #: called with a parameter's name when a node releases it from its saved tensors (ZeRO-3: the gathered
+        #: storage a checkpoint's recompute kept for it goes then, inside the node's call_function, before
+        #: validate_outputs sums a bias's grad and before the parameter's AccumulateGrad runs)
         self.on_saved_param_release: Callable[[str], None] | None = None
         self._buffers: dict[int, Tensor] = {}  # id(tensor) → accumulated gradient waiting for its node
         self._param_buffers: dict[int, Tensor] = {}  # id(parameter) → gradient waiting for its AccumulateGrad
@@ -341,7 +342,7 @@ class Autograd:
         return tuple(fixed)
 
     def _saved_param_released(self, t: Tensor) -> None:
-        if t.param is not None and not t.requires_grad and self.on_saved_param_release is not None:
+        if t.param is not None and self.on_saved_param_release is not None:
             self.on_saved_param_release(t.param)
 
     def _release_saved(self, node: Node) -> None:

@@ -27,7 +27,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     the weight a view of its grad); GPT-2's Conv1D (addmm(bias, x, weight)) does not, nor does ZeRO-3's
     LinearFunctionForZeroStage3, which returns a plain weight grad (a tied weight's two grads then sum in
     place, InputBuffer::accumulate). ``keeps_input``: the input is saved whether or not the weight trains
-    (LinearFunctionForZeroStage3.setup_context saves input, weight and bias: lora.zero3_linear_uses_saved_input).
+    (LinearFunctionForZeroStage3.setup_context saves input, weight and bias: lora.zero3_linear_uses_saved_input;
+    its backward hands the weight its grad before the bias, where addmm hands the bias its first).
     ``cuda_bytes``: the element bytes when the kernels are CUDA's, whose sum of the incoming grad down to the bias
     stages in global memory (estimator/cuda_reduce.py; Autograd._validate_outputs allocates it)."""
     w_bytes, in_bytes = weight.nbytes, x.nbytes
@@ -44,9 +45,14 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
             w = gw()
             return (gx(), w)
         i, w = gx(), gw()
-        return (i, w, grad if bias.requires_grad else None)  # summed to [out] by the engine
+        b = grad if bias.requires_grad else None  # summed to [out] by the engine
+        return (i, w, b) if keeps_input else (b, i, w)
 
-    inputs = (x, weight, bias) if bias is not None else (x, weight)
+    # the grads reach the parameters' AccumulateGrad nodes in the node's edge order (engine.cpp
+    # evaluate_function walks next_edges; AccumulateGrad's maximum sequence number pops it first): addmm's
+    # edges are (self = bias, mat1, mat2), so the bias's reduce hook runs before the weight's; ZeRO-3's
+    # LinearFunctionForZeroStage3.apply(input, weight, bias) hands the weight's first
+    inputs = (x, weight) if bias is None else (x, weight, bias) if keeps_input else (bias, x, weight)
     # mm's formulas (derivatives.yaml): the input saved for the weight's grad, the weight (a view of the
     # parameter: no bytes, but a saved tensor a checkpoint's recompute is triggered by) for the input's
     saved = ((x,) if weight.requires_grad or keeps_input else ()) + ((weight,) if x.requires_grad or keeps_input
@@ -60,7 +66,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     if bias is not None and bias.requires_grad and cuda_bytes and out.node is not None:
         from .cuda_reduce import sum_rows_staging
 
-        out.node.reduce_staging = {2: sum_rows_staging(out_bytes // bias.nbytes, bias.nbytes // cuda_bytes)}
+        out.node.reduce_staging = {inputs.index(bias): sum_rows_staging(out_bytes // bias.nbytes,
+                                                                        bias.nbytes // cuda_bytes)}
     return out
 
 

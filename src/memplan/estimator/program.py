@@ -159,7 +159,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
 
     ag = Autograd(L, on_param_grad=on_param_grad)
     if isinstance(engine, Zero3):
-        def saved_param_release(name: str) -> None:  # a frozen parameter's node released it (no grad follows)
+        def saved_param_release(name: str) -> None:  # the node that saved the parameter released it
             engine.free_retained(name)
             ag.saved_param_views.discard(name)
         ag.on_saved_param_release = saved_param_release
