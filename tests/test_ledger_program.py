@@ -189,3 +189,47 @@ def test_zero2_later_micro_steps_allocate_their_own_grads_in_partition():
     whole = [s for n, s in zip(L.names, L.sizes) if n == "zero.grads_in_partition"]
     assert len(sizes) == 2 and set(sizes) == set(whole)  # one per optimizer step, the first buffer's size
     assert fresh(2, 1)[0] == [] and fresh(1, 2)[0] == []
+
+
+def _step_allocs(j: Job) -> list[tuple[str, int]]:
+    L = build_ledger(j, steps=1)
+    spans = {label: (a, z) for label, a, z in L.phase_spans()}
+    a, z = spans["step0.micro0.step"]
+    return [(L.names[t], L.sizes[t]) for t in L.events[a:z] if t >= 0 and L.names[t].startswith("zero.")]
+
+
+@pytest.mark.parametrize("world", [1, 2, 16])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_zero2_step_flattens_only_a_partition_of_several_pieces(world, dtype):
+    """DeepSpeedZeroOptimizer.step: flatten(averaged_gradients[i]) concatenates the rank's pieces (a new 16-bit
+    partition) but views a single one, and .to(fp32) copies a 16-bit flat and returns an fp32 one as it is.
+    The tiny Llama (2,479,360 parameters, the embedding's 1000 x 256 = 256,000 first): rank 0's partition of 16
+    ranks (154,960) lies inside the embedding, of 1 or 2 ranks it spans several parameters."""
+    from memplan.estimator.zero12 import FlatGroup
+    from memplan.params import parameter_tensors
+
+    model = model_from_config(dict(TINY["llama"]), "tiny", "test")
+    j = Job(model=model, training=TrainingSpec(seq_len=16, micro_batch=1, dtype=dtype, zero=ZeroSpec(stage=2)),
+            layout=Layout(world=world))
+    numels = [p.numel for p in parameter_tensors(model)]
+    group = FlatGroup([str(i) for i in range(len(numels))], numels, world, 0)
+    one_piece = group.partition <= numels[0]
+    assert one_piece == (world == 16)
+    b = 2 if dtype == "bf16" else 4
+    expected = ([] if one_piece else [("zero.flat_grad_partition", b * group.partition)])
+    expected += [("zero.single_grad_partition", 4 * group.partition)] if dtype == "bf16" else []
+    assert [x for x in _step_allocs(j) if x[0] != "zero.norm_fp64"] == expected
+
+
+def test_zero12_fp32_master_is_the_partition_clone():
+    """__init__: parallel_partitioned_bit16_groups[i][partition_id].detach().clone().to(dtype=fp32): in fp32 the
+    clone is the master (no second copy); in 16-bit the clone is cast and dropped."""
+    model = model_from_config(dict(TINY["llama"]), "tiny", "test")
+    for dtype, names in (("fp32", ["zero.single_partition_of_fp32_groups"]),
+                         ("bf16", ["zero.partition_clone", "zero.single_partition_of_fp32_groups"])):
+        j = Job(model=model, training=TrainingSpec(seq_len=16, micro_batch=1, dtype=dtype, zero=ZeroSpec(stage=1)),
+                layout=Layout(world=2))
+        L = build_ledger(j, steps=1)
+        made = [L.names[t] for t in L.events if t >= 0 and L.names[t] in
+                ("zero.partition_clone", "zero.single_partition_of_fp32_groups")]
+        assert made == names

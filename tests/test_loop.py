@@ -111,6 +111,25 @@ def test_cublas_workspace_per_thread():
     assert spans["step0.micro0.backward"][0] <= at[1] < spans["step0.micro0.backward"][1]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_backward_workspace_follows_the_first_backward_gemm_output(tied):
+    """The engine thread's handle makes its workspace at its first gemm, after that gemm's output exists: the
+    lm_head's MmBackward0 allocates the weight's grad [vocab, hidden] first, so the workspace comes right after
+    it and before the input's grad; a tied embedding's grad reaches its hook only at the embedding, which must
+    not delay it (the traces of tied Qwen models place it so)."""
+    config = dict(TINY, tie_word_embeddings=tied)
+    model = model_from_config(config, "tiny", "test")
+    j = Job(model=model, training=TrainingSpec(seq_len=16, micro_batch=1, loop="loss", zero=ZeroSpec(stage=2)),
+            layout=Layout(world=1))
+    L = build_ledger(j, steps=1)
+    allocs = [t for t in L.events if t >= 0]
+    ws = [k for k, t in enumerate(allocs) if L.names[t] == "cublas.workspace"]
+    assert len(ws) == 2
+    before, after = L.names[allocs[ws[1] - 1]], L.names[allocs[ws[1] + 1]]
+    assert before == "grad.lm_head.weight" and L.sizes[allocs[ws[1] - 1]] == 2 * 256 * 64  # [vocab, hidden] bf16
+    assert after == "grad.lm_head.input"
+
+
 @settings(max_examples=25, deadline=None)
 @given(loop=st.sampled_from(["outputs", "loss", "hf-trainer"]), micro=st.integers(1, 3), seq=st.sampled_from([8, 16]),
        ga=st.integers(1, 3), steps=st.integers(1, 3), world=st.sampled_from([1, 2, 8]), stage=st.sampled_from([0, 2]))

@@ -80,6 +80,10 @@ class Autograd:
         self.grad_enabled = True
         self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
         self.before_matmul: Callable[[], None] | None = None  # called once, before the first matmul
+        #: called once, by the first matmul a backward runs, after its output is allocated: the autograd
+        #: engine's device thread gets its own cuBLAS handle (CublasHandlePool.cpp getCurrentCUDABlasHandle is
+        #: per thread), whose workspace the handle's first gemm allocates
+        self.backward_matmul: Callable[[], None] | None = None
         self.saving = True  # False inside a non-reentrant checkpointed forward: saved tensors are not kept
         self.region = None  # the checkpointed region whose nodes are being recorded
         self.suppress = False  # a recompute stopped early: what follows allocates nothing

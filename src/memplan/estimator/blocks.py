@@ -34,12 +34,19 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     w_bytes, in_bytes = weight.nbytes, x.nbytes
 
     def backward(ctx: _Ctx, grad: Tensor, node):
+        def first_gemm(t):  # the engine thread's first gemm makes its handle's workspace (Autograd.backward_matmul)
+            if t is not None and ag.backward_matmul is not None:
+                hook, ag.backward_matmul = ag.backward_matmul, None
+                hook()
+            return t
+
         # the input's grad reaches x through the reshape F.linear folds [.., in] into (a view of it)
         def gx():
-            return ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None
+            return first_gemm(ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None)
 
         def gw():
-            return ctx.new(f"grad.{name}.weight", w_bytes, view=transposed) if weight.requires_grad else None
+            return first_gemm(ctx.new(f"grad.{name}.weight", w_bytes, view=transposed) if weight.requires_grad
+                              else None)
 
         if bias is None:
             w = gw()

@@ -16,8 +16,9 @@ it has.
 cuBLAS: a thread's first matmul creates its handle's workspace from torch's caching allocator
 (aten/src/ATen/cuda/CublasHandlePool.cpp getCurrentCUDABlasHandle: handles are per thread; 32 MiB on Hopper),
 kept for the process's life: one at the first forward matmul, one at the first backward matmul (the autograd
-engine's device thread; modelled at the first parameter gradient, which that matmul produces). The measured rows
-show it: 32 MiB more before the first layer's forward than the model allocates, 32 MiB more by step 0's end.
+engine's device thread, right after that gemm's output: Autograd.backward_matmul, called by blocks.linear's
+backward). The measured rows show it: 32 MiB more before the first layer's forward than the model allocates,
+32 MiB more by step 0's end; the allocation traces place the second one after the lm_head's weight grad.
 """
 
 from __future__ import annotations
@@ -153,11 +154,10 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
         workspaces.append(L.alloc("cublas.workspace", CUBLAS_WORKSPACE_BYTES, "cuda_workspaces"))
 
     def on_param_grad(param, grad):
-        if len(workspaces) == 1:  # the first grad comes from the first backward matmul, on the engine's thread
-            workspace()
         engine.on_param_grad(ag, param, grad)
 
     ag = Autograd(L, on_param_grad=on_param_grad)
+    ag.backward_matmul = workspace  # the autograd engine thread's own cuBLAS handle
     if isinstance(engine, Zero3):
         def saved_param_release(name: str) -> None:  # the node that saved the parameter released it
             engine.free_retained(name)

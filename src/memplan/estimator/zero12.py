@@ -76,6 +76,13 @@ class FlatGroup:
     def in_partition(self, i: int) -> bool:
         return self.overlap(i) > 0
 
+    def partition_pieces(self) -> int:
+        """Tensors get_flat_partition lists for this rank's partition: one per parameter it overlaps, and a zero
+        pad when they do not fill it (stage_1_and_2.py _get_flat_partition_unpadded)."""
+        overlaps = [self.overlap(i) for i in range(len(self.numels))]
+        pieces = sum(1 for n in overlaps if n)
+        return pieces + (sum(overlaps) < self.partition)
+
 
 class Zero12:
     """The DeepSpeedZeroOptimizer's allocations (see the module docstring)."""
@@ -117,6 +124,10 @@ class Zero12:
                 if name in param_ids:
                     L.free(param_ids.pop(name))
         for grp in self.groups:  # .detach().clone().to(device=self.device, dtype=fp32): host under offload
+            if b == FP32 and not self.offload:  # .to() of an fp32 clone on its device returns the clone itself
+                self.masters.append(L.alloc("zero.single_partition_of_fp32_groups", FP32 * grp.partition,
+                                            "master_params_fp32"))
+                continue
             clone = L.alloc("zero.partition_clone", b * grp.partition, "master_params_fp32")
             if not self.offload:
                 self.masters.append(L.alloc("zero.single_partition_of_fp32_groups", FP32 * grp.partition,
@@ -300,6 +311,11 @@ class Zero12:
         self.micro += 1
 
     # -- step -----------------------------------------------------------------------------------------
+    def _drop_grads_in_partition(self) -> None:
+        if self.grads_in_partition is not None:
+            self.L.free(self.grads_in_partition)
+            self.grads_in_partition = None
+
     def skip(self, ag: Autograd) -> None:
         """An overflowing fp16 step: grads set to None, grads_in_partition kept for the next step."""
         self.micro = 0
@@ -318,13 +334,26 @@ class Zero12:
                 n = grp.overlap(i)
                 if n:
                     L.free(L.alloc("zero.norm_fp64", FP64 * n, "optimizer_step_transient"))
+        last = len(self.groups) - 1
         for g, grp in enumerate(self.groups):
-            flat = L.alloc("zero.flat_grad_partition", b * grp.partition, "optimizer_step_transient")
-            fp32 = L.alloc("zero.single_grad_partition", FP32 * grp.partition, "optimizer_step_transient")
-            L.free(flat)
-            if self.grads_in_partition is not None and g == len(self.groups) - 1:
-                L.free(self.grads_in_partition)
-                self.grads_in_partition = None
+            # get_flat_partition lists this rank's piece of each parameter (and a zero pad up to the partition);
+            # _flatten_dense_tensors views a list of one tensor and concatenates (allocates) several
+            flat = (L.alloc("zero.flat_grad_partition", b * grp.partition, "optimizer_step_transient")
+                    if grp.partition_pieces() > 1 else None)
+            # .to(fp32): a new tensor from a 16-bit flat, the flat itself when it is fp32 already
+            fp32 = (L.alloc("zero.single_grad_partition", FP32 * grp.partition, "optimizer_step_transient")
+                    if b != FP32 else flat)
+            if flat is not None and flat != fp32:
+                L.free(flat)
+            # the params' grads and averaged_gradients let go of grads_in_partition (one buffer for every group;
+            # _release_ipg_buffers dropped its own reference); an fp32 grad that views it holds it to its step
+            view = fp32 is None
+            if g == last and not view:
+                self._drop_grads_in_partition()
             self.opt.step(L, grp.partition, first, g)
-            L.free(fp32)
+            if view:
+                if g == last:
+                    self._drop_grads_in_partition()
+            else:
+                L.free(fp32)
         self.micro = 0
