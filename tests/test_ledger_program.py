@@ -233,3 +233,33 @@ def test_zero12_fp32_master_is_the_partition_clone():
         made = [L.names[t] for t in L.events if t >= 0 and L.names[t] in
                 ("zero.partition_clone", "zero.single_partition_of_fp32_groups")]
         assert made == names
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero12_empties_the_cache_before_each_flat_buffer(stage):
+    """DeepSpeedZeroOptimizer.__init__ calls empty_cache() before it flattens each group: the ledger's mark sits
+    right before the flat buffer, so what the model's build cached (a tied lm_head's own weight, freed by
+    tie_weights) goes back to the driver; the other engines have no such call (ZeRO-3's is its defragment)."""
+    from memplan.allocator import AllocatorConfig, allocation_size, round_size, simulate
+    from memplan.ledger import EMPTY_CACHE
+
+    # a vocabulary of 32,000: the lm_head's 16 MB weight (> 10 MiB) gets a segment of its own
+    config = dict(TINY["llama"], tie_word_embeddings=True, vocab_size=32000)
+    model = model_from_config(config, "tiny", "test")
+    j = Job(model=model, training=TrainingSpec(seq_len=16, micro_batch=1, zero=ZeroSpec(stage=stage)),
+            layout=Layout(world=2))
+    L = build_ledger(j, steps=1)
+    marks = [m for m in L.marks if m.kind == EMPTY_CACHE and m.label == "zero.empty_cache"]
+    if stage not in (1, 2):
+        assert marks == []
+        return
+    assert len(marks) == 1 and L.names[L.events[marks[0].at]] == "zero.bit16_groups_flat"
+    # the cache right after the call: only the blocks of live tensors' segments stay reserved
+    at = marks[0].at
+    cut = Ledger()
+    cut.names, cut.sizes, cut.components, cut.streams = L.names, L.sizes, L.components, L.streams
+    cut.events, cut.marks = L.events[:at], [m for m in L.marks if m.at <= at]
+    kept = simulate(cut).reserved_end_bytes
+    cut.marks = [m for m in cut.marks if m.kind != EMPTY_CACHE]
+    lm_head = allocation_size(round_size(32000 * 256 * 2), AllocatorConfig())  # its own segment
+    assert simulate(cut).reserved_end_bytes - kept == lm_head  # released

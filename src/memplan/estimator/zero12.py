@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2 (DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer) as ledger events.
 
-Init: the 16-bit parameters are flattened into one buffer per group (flatten_dense_tensors_aligned: padded to
+Init: the cache is emptied, then the 16-bit parameters are flattened into one buffer per group (flatten_dense_tensors_aligned: padded to
 ``nccl_start_alignment_factor`` (2) × N elements) and each parameter's own storage is freed
 (_update_model_bit16_weights points it into the flat buffer); the rank's partition is cloned and cast to the
 fp32 master (single_partition_of_fp32_groups); initialize_optimizer_states makes and drops a zero fp32 grad.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ledger import Ledger
+from ..ledger import EMPTY_CACHE, Ledger
 from .autograd import Autograd, Tensor
 from .optim import Optimizer
 
@@ -119,6 +119,9 @@ class Zero12:
         """Flatten each group (params' own storages freed), clone the partition to fp32, test-zero its grad."""
         L, b = self.L, self.b
         for grp in self.groups:
+            # __init__ empties the cache before each group's flat buffer (deepspeed.runtime.utils.empty_cache:
+            # cached blocks the model's build left, such as a tied lm_head's own weight, go back to the driver)
+            L.mark("zero.empty_cache", EMPTY_CACHE)
             L.alloc("zero.bit16_groups_flat", b * grp.padded, "params_16bit")
             for name in grp.names:
                 if name in param_ids:
