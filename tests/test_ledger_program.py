@@ -263,3 +263,29 @@ def test_zero12_empties_the_cache_before_each_flat_buffer(stage):
     cut.marks = [m for m in cut.marks if m.kind != EMPTY_CACHE]
     lm_head = allocation_size(round_size(32000 * 256 * 2), AllocatorConfig())  # its own segment
     assert simulate(cut).reserved_end_bytes - kept == lm_head  # released
+
+
+def test_unsteady_allocators_run_all_three_steps():
+    """Expandable segments and garbage collection leave the cache elsewhere after a step than before it, so the
+    ledger runs verify's three steps for them rather than trusting the third to repeat the second."""
+    from memplan.allocator import AllocatorConfig
+
+    assert ledger_steps((), AllocatorConfig()) == 2
+    assert ledger_steps((), AllocatorConfig(expandable_segments=True)) == 3
+    assert ledger_steps((), AllocatorConfig(garbage_collection_threshold=0.8, card_bytes=1 << 34)) == 3
+    assert ledger_steps((1,), AllocatorConfig()) == 3
+
+
+def test_zero3_fp16_overflow_check_makes_isinf_an_abs_and_a_compare():
+    """torch.isinf(x) is x.abs() == inf: an fp16 copy of the grad buffer and a bool per element, the copy freed
+    before the bool; torch.isnan(x) is x != x: the bool alone (stage3.py has_overflow, in that order)."""
+    model = model_from_config(dict(TINY["llama"]), "tiny", "test")
+    j = Job(model=model, training=TrainingSpec(seq_len=16, micro_batch=1, dtype="fp16", zero=ZeroSpec(stage=3)),
+            layout=Layout(world=2))
+    L = build_ledger(j, steps=1)
+    names = ("zero3.isinf.abs", "zero3.isinf", "zero3.isnan")
+    seq = [("A" if ev >= 0 else "F", L.names[ev if ev >= 0 else ~ev], L.sizes[ev if ev >= 0 else ~ev])
+           for ev in L.events if L.names[ev if ev >= 0 else ~ev] in names]
+    n = seq[1][2]  # elements of this rank's grad partitions, one byte each
+    assert seq == [("A", "zero3.isinf.abs", 2 * n), ("A", "zero3.isinf", n), ("F", "zero3.isinf.abs", 2 * n),
+                   ("F", "zero3.isinf", n), ("A", "zero3.isnan", n), ("F", "zero3.isnan", n)]

@@ -31,7 +31,7 @@ bucket are kept for the swap-out). The epilogue reduces what is left; backward_e
 parameters.
 
 Step: every gathered parameter released (_partition_all_parameters); fp16 checks the grad buffer for inf/nan
-(``torch.isinf(buffer).any()``, ``isnan`` likewise: one byte per element each); without offload the norm upcasts
+(``torch.isinf(buffer).any()``: an fp16 abs and a byte per element; ``isnan``: a byte per element); without offload the norm upcasts
 each grad partition to fp64 in turn (get_grad_norm_direct) and per sub-group the grads are flattened and cast to
 fp32 (_prepare_fp32_grad_for_sub_group); the optimizer runs (on the host under offload: DeepSpeedCPUAdam); the
 updated fp32 partition is copied into the 16-bit flat buffer (_reassign_or_swap_out_partitioned_parameters, a
@@ -48,7 +48,7 @@ from .zero3_params import Zero3Params
 
 #: the optimizer's reduce_and_partition_stream (a new CUDA stream)
 REDUCE_STREAM = 1
-FP32, FP64 = 4, 8
+FP16_BYTES, FP32, FP64 = 2, 4, 8
 #: _constant_buffered_norm2's default buffer_size (elements per fp64 piece)
 NORM_PIECE_ELEMENTS = 250_000_000
 
@@ -277,15 +277,23 @@ class Zero3(Zero3Params):
 
     # -- step -------------------------------------------------------------------------------------------
     def _overflow_check(self) -> None:
-        """fp16: has_overflow over grad_partitions_flat_buffer (isinf, then isnan: a bool per element)."""
+        """fp16: has_overflow over grad_partitions_flat_buffer: torch.isinf is ``self.abs() == inf`` (ATen
+        TensorCompare.cpp isinf: an fp16 copy, then a bool per element, the copy freed first), torch.isnan
+        ``self != self`` (a bool per element)."""
         if not self.fp16:
             return
         total = sum(self.part[k] for k in self.trained)
-        for what in ("isinf", "isnan"):
-            if self.offload_opt:
-                self.P.free_host(self.P.host_alloc(f"zero3.{what}", total))
-            else:
-                self.L.free(self.L.alloc(f"zero3.{what}", total, "optimizer_step_transient", REDUCE_STREAM))
+        if self.offload_opt:
+            alloc, free = self.P.host_alloc, self.P.free_host
+        else:
+            def alloc(name, nbytes):
+                return self.L.alloc(name, nbytes, "optimizer_step_transient", REDUCE_STREAM)
+            free = self.L.free
+        absolute = alloc("zero3.isinf.abs", FP16_BYTES * total)
+        inf = alloc("zero3.isinf", total)
+        free(absolute)
+        free(inf)
+        free(alloc("zero3.isnan", total))
 
     def skip(self, ag: Autograd) -> None:
         """An overflowing fp16 step: parameters partitioned, then step() returns before the optimizer."""
