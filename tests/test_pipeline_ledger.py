@@ -119,7 +119,7 @@ def _real(trace: dict):
 
 def _predicted(job: Job, stage: int, steps: int):
     L = build_pipeline_ledger(job, stage, steps, cpu_run=True)
-    marks = {m.at: m.label for m in L.marks}
+    marks = {m.at: m.label for m in L.marks if m.kind == "phase"}  # an empty_cache is not a phase
     out, phase = [], "init"
     for i, e in enumerate(L.events):
         phase = marks.get(i, phase)
