@@ -18,6 +18,7 @@ from memplan.allocator.trace import (
     FREE,
     FREE_COMPLETED,
     FREE_REQUESTED,
+    MARKER_BYTES,
     SEGMENT_ALLOC,
     SEGMENT_FREE,
     classify_frame,
@@ -121,6 +122,26 @@ def test_ledger_from_trace_maps_markers_to_labels_and_frames_to_components():
         ledger_from_trace(t, phases=["a", "b", "c"])
     del t["extra"]
     assert [m.label for m in ledger_from_trace(t).marks if m.kind == PHASE] == ["phase0", "phase1"]
+
+
+def test_a_trace_without_stacks_finds_its_phase_markers_by_size():
+    """_record_memory_history(context=None) records no frames (ZeRO-3 needs it): the marker is the one
+    allocation of MARKER_BYTES, and a 512-byte tensor is not one."""
+    s = Snap()
+    s.ev("segment_alloc", B, 2 * MiB)
+    s.ev("alloc", B, MARKER_BYTES).ev("free_requested", B, MARKER_BYTES).ev("free_completed", B, MARKER_BYTES)
+    s.ev("segment_alloc", A, 20 * MiB).ev("alloc", A, 5 * MiB)
+    s.ev("alloc", B + 512, 512)  # 512 bytes: a tensor, not a marker
+    s.ev("alloc", B + 1024, MARKER_BYTES).ev("free_requested", B + 1024, MARKER_BYTES)
+    s.ev("free_completed", B + 1024, MARKER_BYTES)
+    s.ev("free_requested", A, 5 * MiB).ev("free_completed", A, 5 * MiB)
+    t = compact_trace(s.snapshot([(A, 20 * MiB, 0, 0), (B, 2 * MiB, 512, 0)]))
+    assert t["frames"] == [] and t["integrity"]["complete"]
+    led = ledger_from_trace(t, phases=["forward", "backward"])
+    assert led.sizes == [5 * MiB, 512] and led.events == [0, 1, ~0]
+    assert [(m.at, m.label) for m in led.marks] == [(0, "forward"), (2, "backward")]
+    m = measured_reserved(t, phases=["forward", "backward"])
+    assert [p["label"] for p in m["phases"]] == ["forward", "backward"]
 
 
 def test_measured_reserved_by_hand_and_the_replay_agrees():
@@ -249,8 +270,11 @@ def test_classify_frame(label, component):
     assert classify_frame(label) == component
 
 
-TRACE_DIRS = [ROOT / "benchmarks/accuracy/traces", ROOT / "benchmarks/allocator/gpu"]
-TRACE_FILES = sorted(p for d in TRACE_DIRS for p in d.glob("*.json.gz") if p.name.startswith("trace") or d.name == "traces")
+#: traces/: recorded with Python stacks; traces-lone/: ZeRO-3 jobs run alone on the GPU, recorded without stacks
+TRACE_DIRS = [ROOT / "benchmarks/accuracy/traces", ROOT / "benchmarks/accuracy/traces-lone",
+              ROOT / "benchmarks/allocator/gpu"]
+TRACE_FILES = sorted(p for d in TRACE_DIRS for p in d.glob("*.json.gz")
+                     if p.name.startswith("trace") or d.name.startswith("traces"))
 
 
 @pytest.mark.skipif(not TRACE_FILES, reason="no GPU traces are committed under benchmarks/accuracy/traces/ "

@@ -26,6 +26,7 @@ from .trace import (
     SEGMENT_MAP,
     SEGMENT_UNMAP,
     check_integrity,
+    marker_test,
 )
 
 #: frame → component, first match wins; the frame is the innermost one outside torch (trace.frame_label)
@@ -102,7 +103,7 @@ def ledger_from_trace(trace: dict, *, phases: list[str] | None = None, allow_inc
     _require_complete(trace, allow_incomplete)
     labels = _labels(trace, phases)
     frames = trace["frames"]
-    marker_ids = {i for i, f in enumerate(frames) if f.endswith(":" + MARKER_FUNCTION)}
+    is_marker = marker_test(trace)
     names = [f or "(no python frame)" for f in frames]
     components = [classify_frame(f) for f in frames]
     empty_cache = set(trace.get("empty_cache_at", ()))
@@ -120,7 +121,7 @@ def ledger_from_trace(trace: dict, *, phases: list[str] | None = None, allow_inc
             continue
         in_release = False
         if a == ALLOC:
-            if fr in marker_ids:
+            if is_marker(fr, sz):
                 markers.add(ad)
                 led.mark(labels[n_markers] if labels and n_markers < len(labels) else f"phase{n_markers}")
                 n_markers += 1
@@ -190,8 +191,7 @@ def measured_reserved(trace: dict, *, phases: list[str] | None = None, allow_inc
     labels = _labels(trace, phases)
     cfg = settings_config(trace.get("allocator_settings") or {})
     msplit = cfg.max_split_size_bytes or 1 << 62
-    frames = trace["frames"]
-    marker_ids = {i for i, f in enumerate(frames) if f.endswith(":" + MARKER_FUNCTION)}
+    is_marker = marker_test(trace)
     empty_cache = set(trace.get("empty_cache_at", ()))
     expandable = cfg.expandable_segments or SEGMENT_MAP in trace["action"]
     blocks: dict[int, _GBlock] = {}
@@ -227,7 +227,7 @@ def measured_reserved(trace: dict, *, phases: list[str] | None = None, allow_inc
         elif a == OOM:
             counts["ooms"] += 1
         elif a == ALLOC:
-            if fr in marker_ids:
+            if is_marker(fr, sz):
                 markers.add(ad)
                 if phase is not None:
                     phase_rows.append(phase)

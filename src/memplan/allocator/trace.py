@@ -46,8 +46,23 @@ ACTIONS = {"alloc": ALLOC, "free_requested": FREE_REQUESTED, "free_completed": F
            "segment_alloc": SEGMENT_ALLOC, "segment_free": SEGMENT_FREE, "segment_map": SEGMENT_MAP,
            "segment_unmap": SEGMENT_UNMAP, "oom": OOM, "snapshot": SNAPSHOT}
 
-#: the measuring harness's phase marker: one 512-byte allocation and free from a function of this name
+#: the measuring harness's phase marker: one allocation and free from a function of this name, of this many
+#: bytes (rounded to one 512-byte small-pool block like any request under 512). A trace recorded without stacks
+#: (``_record_memory_history(context=None)``, which ZeRO-3 needs: Python stacks break its autograd functions)
+#: has no frames, and there the marker is the allocation of exactly MARKER_BYTES: no tensor of the jobs has
+#: 511 bytes (a prime: a 511-element uint8 or bool tensor only)
 MARKER_FUNCTION = "memplan_phase_marker"
+MARKER_BYTES = 511
+
+
+def marker_test(trace: dict):
+    """A predicate (frame index, requested bytes) -> whether that allocation is a phase marker: by its frame when
+    the trace recorded stacks, by its size (MARKER_BYTES) when it recorded none."""
+    frames = trace["frames"]
+    ids = {i for i, f in enumerate(frames) if f.endswith(":" + MARKER_FUNCTION)}
+    if frames:
+        return lambda fr, size: fr in ids
+    return lambda fr, size: size == MARKER_BYTES
 
 
 # -- frames ------------------------------------------------------------------------------------------------------
@@ -294,5 +309,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ACTIONS", "FORMAT", "MARKER_FUNCTION", "VERSION", "check_integrity", "compact_trace", "frame_label",
-           "read_trace", "short_frame", "write_trace"]  # and, through __getattr__, the names of _FROM_REPLAY
+__all__ = ["ACTIONS", "FORMAT", "MARKER_BYTES", "MARKER_FUNCTION", "VERSION", "check_integrity", "compact_trace",
+           "frame_label", "marker_test", "read_trace", "short_frame", "write_trace"]  # and, through __getattr__, the names of _FROM_REPLAY

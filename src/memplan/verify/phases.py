@@ -63,17 +63,30 @@ STATS_KEYS = (
 TRACE_MAX_ENTRIES = 3_000_000
 
 
+#: environment variable: "0" records the allocation trace without stacks (``context=None``): no frame names,
+#: but it runs under ZeRO-3, whose autograd functions fail ("returned NULL") while Python stacks are recorded
+TRACE_STACKS_ENV = "MEMPLAN_TRACE_STACKS"
+
+
 def memplan_phase_marker(torch, device: str) -> None:
-    """One 512-byte allocation and free that marks a phase start in a recorded allocation trace (the
-    trace converter, memplan.allocator.trace, finds it by this function's name). Small pool: it touches no
-    block the job's large tensors use."""
-    marker = torch.empty(512, dtype=torch.uint8, device=device)
+    """One small allocation and free (MARKER_BYTES, one 512-byte block) that marks a phase start in a recorded
+    allocation trace (the trace converter, memplan.allocator.trace, finds it by this function's name, or by its
+    size in a trace without stacks). Small pool: it touches no block the job's large tensors use."""
+    from ..allocator.trace import MARKER_BYTES
+
+    marker = torch.empty(MARKER_BYTES, dtype=torch.uint8, device=device)
     del marker
 
 
 def start_allocation_trace(torch) -> None:
-    """Record the caching allocator's history (with Python stacks: the trace converter names frames by them)."""
-    torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, stacks="python")
+    """Record the caching allocator's history: with Python stacks (the trace converter names frames by them)
+    unless TRACE_STACKS_ENV is "0"."""
+    import os
+
+    if os.environ.get(TRACE_STACKS_ENV, "1") == "0":
+        torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, context=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=TRACE_MAX_ENTRIES, stacks="python")
 
 
 def write_allocation_trace(torch, path: str, labels: list[str]) -> dict[str, Any]:
