@@ -1,19 +1,19 @@
 """ZeRO stages 1 and 2 (DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer) as ledger events.
 
-Init: the cache is emptied, then the 16-bit parameters are flattened into one buffer per group (flatten_dense_tensors_aligned: padded to
-``nccl_start_alignment_factor`` (2) × N elements) and each parameter's own storage is freed
-(_update_model_bit16_weights points it into the flat buffer); the rank's partition is cloned and cast to the
-fp32 master (single_partition_of_fp32_groups); initialize_optimizer_states makes and drops a zero fp32 grad.
+Init: the cache is emptied, then the 16-bit parameters are flattened into one buffer per group
+(flatten_dense_tensors_aligned: padded to ``nccl_start_alignment_factor`` (2) × N elements) and each parameter's own
+storage is freed (_update_model_bit16_weights points it into the flat buffer); the rank's partition is cloned and cast
+to the fp32 master (single_partition_of_fp32_groups); initialize_optimizer_states makes and drops a zero fp32 grad.
 Backward: the first gradient hook allocates the IPG bucket (setup_buckets: reduce_bucket_size elements, two with
-overlap_comm); each parameter's grad is copied into it and freed (reduce_independent_p_g_buckets_and_remove_grads);
-a bucket that would overflow is reduced first (reduce_ipg_grads → average_tensor: slices of each parameter by
-destination partition, flattened per small bucket when there are several → allreduce_bucket, on the reduction
-stream with overlap_comm); the grads of parameters that overlap this rank's partition are copied into
-``grads_in_partition`` (allocated at the first such copy, whole parameters: copy_grads_in_partition). Stage 1
-keeps the full 16-bit grads through backward and reduces them all at the boundary (reduce_gradients). At the end
-of backward the buckets are released (_release_ipg_buffers). Step (step): the norm upcasts each partition piece
-to fp64 in turn (get_grad_norm_direct), the partition is flattened (16-bit) and cast to fp32, grads_in_partition
-dropped, the optimizer runs (states created at its first step), the fp32 grad dropped.
+overlap_comm); each parameter's grad is copied into it and freed (reduce_independent_p_g_buckets_and_remove_grads); a
+bucket that would overflow is reduced first (reduce_ipg_grads → average_tensor: slices of each parameter by
+destination partition, flattened per small bucket when there are several → allreduce_bucket, on the reduction stream
+with overlap_comm); the grads of parameters that overlap this rank's partition are copied into ``grads_in_partition``
+(allocated at the first such copy, whole parameters: copy_grads_in_partition). Stage 1 keeps the full 16-bit grads
+through backward and reduces them all at the boundary (reduce_gradients). At the end of backward the buckets are
+released (_release_ipg_buffers). Step (step): the norm upcasts each partition piece to fp64 in turn
+(get_grad_norm_direct), the partition is flattened (16-bit) and cast to fp32, grads_in_partition dropped, the
+optimizer runs (states created at its first step), the fp32 grad dropped.
 
 Symbols: P the group's trainable parameters, N the partition group, b bytes of the 16-bit dtype.
 """
@@ -354,9 +354,8 @@ class Zero12:
             if g == last and not view:
                 self._drop_grads_in_partition()
             self.opt.step(L, grp.partition, first, g)
-            if view:
-                if g == last:
-                    self._drop_grads_in_partition()
-            else:
+            if not view:
                 L.free(fp32)
+            elif g == last:
+                self._drop_grads_in_partition()
         self.micro = 0

@@ -12,29 +12,29 @@ initialize (``__init__``):
   temporary in the source dtype for GPU→host, in the destination dtype for host→GPU; none on the GPU).
 - initialize_optimizer_states: a zero fp32 buffer of the largest sub-group on ``self.device``, dropped at the end;
   under offload each sub-group's fp32 grad is its own host buffer (pinned when pin_memory), kept.
-- the IPG bucket (reduce_bucket_size elements, on the GPU; only with contiguous_gradients), then grad_partitions_flat_buffer (the trainable
-  partitions in the grad-accumulation dtype) on ``self.device``: in pinned host memory under offload_optimizer.
+- the IPG bucket (reduce_bucket_size elements, on the GPU; only with contiguous_gradients), then
+  grad_partitions_flat_buffer (the trainable partitions in the grad-accumulation dtype) on ``self.device``: in pinned
+  host memory under offload_optimizer.
 - create_reduce_and_remove_grad_hooks gathers each trainable parameter once (Init._allgather_params_sequential:
   an aligned buffer) and partitions it again.
 
 Backward: a parameter's grad is copied into the IPG bucket and freed (__add_grad_to_ipg_bucket; one that would
-overflow the bucket reduces it first, one larger than the bucket, or any without contiguous_gradients, keeps its
-own grad until the bucket is reduced). __reduce_and_partition_ipg_grads:
-the bucket's parameters sorted by ds_id, __avg_scatter_grads → reduce_scatter_coalesced (comm/coalesced_collectives.py:
-the grads flattened with each padded to N — no copy when a single grad divides evenly; cast to the communication
-dtype first and to the accumulation dtype after when those differ), then partition_grads copies (micro-step 0) or
-adds each partition into grad_partitions_flat_buffer. Under offload_optimizer that buffer is on the host: each
-partition goes through a GPU copy (``grad_buffer.to(device)``, alive until the next parameter's), and at the
-accumulation boundary _offload_grad_partition_at_boundary takes its norm (_constant_buffered_norm2: fp64 pieces of
-250M elements) and copies it cast to fp32 into the sub-group's host fp32 grad (NVMe: the fp32 casts of the whole
-bucket are kept for the swap-out). The epilogue reduces what is left; backward_epilogue releases leftover
-parameters.
+overflow the bucket reduces it first, one larger than the bucket, or any without contiguous_gradients, keeps its own
+grad until the bucket is reduced). __reduce_and_partition_ipg_grads: the bucket's parameters sorted by ds_id,
+__avg_scatter_grads → reduce_scatter_coalesced (comm/coalesced_collectives.py: the grads flattened with each padded to
+N — no copy when a single grad divides evenly; cast to the communication dtype first and to the accumulation dtype
+after when those differ), then partition_grads copies (micro-step 0) or adds each partition into
+grad_partitions_flat_buffer. Under offload_optimizer that buffer is on the host: each partition goes through a GPU
+copy (``grad_buffer.to(device)``, alive until the next parameter's), and at the accumulation boundary
+_offload_grad_partition_at_boundary takes its norm (_constant_buffered_norm2: fp64 pieces of 250M elements) and copies
+it cast to fp32 into the sub-group's host fp32 grad (NVMe: the fp32 casts of the whole bucket are kept for the
+swap-out). The epilogue reduces what is left; backward_epilogue releases leftover parameters.
 
 Step: every gathered parameter released (_partition_all_parameters); fp16 checks the grad buffer for inf/nan
-(``torch.isinf(buffer).any()``: an fp16 abs and a byte per element; ``isnan``: a byte per element); without offload the norm upcasts
-each grad partition to fp64 in turn (get_grad_norm_direct) and per sub-group the grads are flattened and cast to
-fp32 (_prepare_fp32_grad_for_sub_group); the optimizer runs (on the host under offload: DeepSpeedCPUAdam); the
-updated fp32 partition is copied into the 16-bit flat buffer (_reassign_or_swap_out_partitioned_parameters, a
+(``torch.isinf(buffer).any()``: an fp16 abs and a byte per element; ``isnan``: a byte per element); without offload
+the norm upcasts each grad partition to fp64 in turn (get_grad_norm_direct) and per sub-group the grads are flattened
+and cast to fp32 (_prepare_fp32_grad_for_sub_group); the optimizer runs (on the host under offload: DeepSpeedCPUAdam);
+the updated fp32 partition is copied into the 16-bit flat buffer (_reassign_or_swap_out_partitioned_parameters, a
 converting copy); the fp32 grad dropped; then the persistent parameters are gathered again (_post_step).
 """
 
@@ -48,7 +48,7 @@ from .zero3_params import Zero3Params
 
 #: the optimizer's reduce_and_partition_stream (a new CUDA stream)
 REDUCE_STREAM = 1
-FP16_BYTES, FP32, FP64 = 2, 4, 8
+FP32, FP64 = 4, 8
 #: _constant_buffered_norm2's default buffer_size (elements per fp64 piece)
 NORM_PIECE_ELEMENTS = 250_000_000
 
@@ -277,9 +277,9 @@ class Zero3(Zero3Params):
 
     # -- step -------------------------------------------------------------------------------------------
     def _overflow_check(self) -> None:
-        """fp16: has_overflow over grad_partitions_flat_buffer: torch.isinf is ``self.abs() == inf`` (ATen
-        TensorCompare.cpp isinf: an fp16 copy, then a bool per element, the copy freed first), torch.isnan
-        ``self != self`` (a bool per element)."""
+        """fp16: has_overflow over grad_partitions_flat_buffer (in the grad-accumulation dtype): torch.isinf is
+        ``self.abs() == inf`` (ATen TensorCompare.cpp isinf: a copy in the buffer's dtype, then a bool per
+        element, the copy freed first), torch.isnan ``self != self`` (a bool per element)."""
         if not self.fp16:
             return
         total = sum(self.part[k] for k in self.trained)
@@ -289,7 +289,7 @@ class Zero3(Zero3Params):
             def alloc(name, nbytes):
                 return self.L.alloc(name, nbytes, "optimizer_step_transient", REDUCE_STREAM)
             free = self.L.free
-        absolute = alloc("zero3.isinf.abs", FP16_BYTES * total)
+        absolute = alloc("zero3.isinf.abs", self.g * total)
         inf = alloc("zero3.isinf", total)
         free(absolute)
         free(inf)
