@@ -224,6 +224,12 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
         from ..megatron import measurement_notes as megatron_notes
 
         notes += megatron_notes(job)
+    if z.stage == 3 and ledger_supported(job):
+        notes.append("ZeRO-3: DeepSpeed frees gathered parameters and reduced gradients with record_stream, so the "
+                     "caching allocator reuses them only once the GPU has caught up; this figure reuses them at once. "
+                     "Where the GPU falls behind the CPU (wide layers, long sequences, fp32, a shared GPU) torch "
+                     "reserved up to 1.7 times this figure (benchmarks/accuracy/README.md: ZeRO-3 jobs run alone); "
+                     "allocated memory is not affected")
     if "nvme" in (z.offload_optimizer, z.offload_param):
         notes.append("NVMe offload is modelled from DeepSpeed's code but not measured (no NVMe rows)")
     if t.checkpointing == "selective":
