@@ -216,7 +216,8 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     """What in this job's figure rests on no measurement in benchmarks/accuracy/ (said in the output)."""
     t, z, lay = job.training, job.training.zero, job.layout
     notes = []
-    if not ledger_supported(job):
+    in_ledger = ledger_supported(job)
+    if not in_ledger:
         notes.append("this job is outside the allocation ledger (phase model): the caching allocator is not "
                      "simulated, so reserved memory is likely under what torch will reserve; a fit near the card's "
                      "size is unproven (benchmarks/accuracy: python -m memplan.accuracy)")
@@ -224,7 +225,7 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
         from ..megatron import measurement_notes as megatron_notes
 
         notes += megatron_notes(job)
-    if z.stage == 3 and ledger_supported(job):
+    if z.stage == 3 and in_ledger:
         notes.append("ZeRO-3: DeepSpeed frees gathered parameters and reduced gradients with record_stream, so the "
                      "caching allocator reuses them only once the GPU has caught up; this figure reuses them at once. "
                      "Where the GPU falls behind the CPU (wide layers, long sequences, fp32, a shared GPU) torch "
