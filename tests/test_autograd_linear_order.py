@@ -1,4 +1,4 @@
-"""blocks.linear's backward, worked by hand on one layer: which parameter's AccumulateGrad (and so which reduce
+"""blocks_linear.linear's backward, worked by hand on one layer: which parameter's AccumulateGrad (and so which reduce
 hook) runs first, and when the engine thread's cuBLAS workspace is made.
 
 engine.cpp evaluate_function walks a node's next_edges in order and AccumulateGrad's maximum sequence number
@@ -8,7 +8,7 @@ bias) orders them input, weight, bias.
 """
 
 from memplan.estimator.autograd import Autograd
-from memplan.estimator.blocks import linear
+from memplan.estimator.blocks_linear import linear
 from memplan.ledger import Ledger
 
 T, IN, OUT, B = 8, 4, 6, 2  # tokens, features in and out, bytes per element

@@ -66,7 +66,7 @@ class Node:
         self.region = None  # a checkpointed region whose saved tensors are recomputed before this node runs
         self.would_save = bool(saved)  # saved something, or would have outside a checkpointed forward
         self.unpacked = False  # its saved tensors came from a checkpoint's recompute: apply's locals own them
-        self.reduce_staging = None  # input index → CUDA reduction staging bytes (blocks.linear, cuda_reduce.py)
+        self.reduce_staging = None  # input index → CUDA reduction staging bytes (blocks_linear.py, cuda_reduce.py)
 
 
 class Autograd:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import blocks as B
+from . import blocks_linear as BL
 from .autograd import Autograd, Tensor
 from .blocks import FP32
 
@@ -186,7 +187,7 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     n_rep = g.heads // g.kv_heads
     kr = repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
     vr = repeat_kv(ag, v, n_rep, f"{name}.v_repeated")
-    scores = B.matmul(ag, q, kr, g.scores(), f"{name}.scores", copy_a=_folds_copy(q_bshd, g),
+    scores = BL.matmul(ag, q, kr, g.scores(), f"{name}.scores", copy_a=_folds_copy(q_bshd, g),
                       copy_c=_folds_copy(n_rep == 1 and k_bshd, g))
     scaled = B.scale(ag, scores, f"{name}.scaled")
     ag.release(scores)
@@ -204,7 +205,7 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     dropped = B.dropout(ag, probs, dropout, g.b, f"{name}.dropout", net.device)
     ag.release(probs)
     # attn_output.transpose(1, 2).contiguous() below hands the matmul's _unsafe_view a transposed grad
-    out = B.matmul(ag, dropped, vr, g.v_bytes(), f"{name}.out", copy_c=_folds_copy(n_rep == 1 and v_bshd, g),
+    out = BL.matmul(ag, dropped, vr, g.v_bytes(), f"{name}.out", copy_c=_folds_copy(n_rep == 1 and v_bshd, g),
                    grad_copy=_folds_copy(True, g))
     o = B.clone(ag, out, f"{name}.out_contiguous")
     ag.release(out)

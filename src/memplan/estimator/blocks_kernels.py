@@ -11,6 +11,7 @@ named ``*.tmp``.
 from __future__ import annotations
 
 from . import blocks as B
+from . import blocks_linear as BL
 from .autograd import Tensor, _Ctx
 from .blocks import FP32
 from .blocks_attention import (
@@ -261,7 +262,7 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     kr = repeat_kv(ag, k32, n_rep, f"{name}.k_repeated")  # repeat_interleave: unsqueeze, expand, clone
     vr = repeat_kv(ag, v32, n_rep, f"{name}.v_repeated")
     ks = B.scale(ag, kr, f"{name}.k_scaled")
-    scores = B.matmul(ag, qs, ks, g.scores(FP32), f"{name}.scores", copy_a=_folds_copy(bshd[0], g),
+    scores = BL.matmul(ag, qs, ks, g.scores(FP32), f"{name}.scores", copy_a=_folds_copy(bshd[0], g),
                       copy_c=_folds_copy(n_rep == 1 and bshd[1], g))
     ag.release(ks)
     if mask is not None and g.b != FP32:  # attn.add_(mask): the 16-bit mask cast to fp32 for the add
@@ -272,7 +273,7 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     ag.release(probs)  # attn rebound to the dropout's output
     probs_out = B.to_dtype(ag, dropped, g.scores(), f"{name}.probs_out")
     # the output goes through transpose(1, 2).contiguous(): its reshape's backward sees a transposed grad
-    o32 = B.matmul(ag, dropped, vr, g.v_bytes(b=FP32), f"{name}.out_fp32",
+    o32 = BL.matmul(ag, dropped, vr, g.v_bytes(b=FP32), f"{name}.out_fp32",
                    copy_c=_folds_copy(n_rep == 1 and bshd[2], g), grad_copy=_folds_copy(True, g))
     out = B.to_dtype(ag, o32, g.v_bytes(), f"{name}.out")
     ag.release(o32)

@@ -23,6 +23,7 @@ LinearFunctionForZeroStage3, as the base layer's). The wrapper itself owns no pa
 from __future__ import annotations
 
 from . import blocks as B
+from . import blocks_linear as BL
 from .autograd import Tensor
 
 #: peft's adapter names in named_parameters (LoraLayer.update_layer: lora_A[adapter_name], lora_B[adapter_name])
@@ -94,11 +95,11 @@ def lora_linear(net, x: Tensor, name: str, out_features: int, base) -> Tensor:
     transposed = not net.hooks.zero3_linear
     keep = net.hooks.zero3_linear
     a_out = net.module(f"{name}.lora_A.{ADAPTER}",
-                       lambda z: B.linear(ag, z, wa, p.adapter_bytes * s.tokens * rank, f"{name}.lora_A",
+                       lambda z: BL.linear(ag, z, wa, p.adapter_bytes * s.tokens * rank, f"{name}.lora_A",
                                           transposed=transposed, keeps_input=keep), dropped, params=(wa,))
     ag.release(dropped)
     b_out = net.module(f"{name}.lora_B.{ADAPTER}",
-                       lambda z: B.linear(ag, z, wb, p.adapter_bytes * s.tokens * out_features, f"{name}.lora_B",
+                       lambda z: BL.linear(ag, z, wb, p.adapter_bytes * s.tokens * out_features, f"{name}.lora_B",
                                           transposed=transposed, keeps_input=keep), a_out, params=(wb,))
     ag.release(a_out)
     scaled = B.scale(ag, b_out, f"{name}.lora_scaled")

@@ -16,7 +16,7 @@ it has.
 cuBLAS: a thread's first matmul creates its handle's workspace from torch's caching allocator
 (aten/src/ATen/cuda/CublasHandlePool.cpp getCurrentCUDABlasHandle: handles are per thread; 32 MiB on Hopper),
 kept for the process's life: one at the first forward matmul, one at the first backward matmul (the autograd
-engine's device thread, right after that gemm's output: Autograd.backward_matmul, called by blocks.linear's
+engine's device thread, right after that gemm's output: Autograd.backward_matmul, called by blocks_linear.linear's
 backward). The measured rows show it: 32 MiB more before the first layer's forward than the model allocates,
 32 MiB more by step 0's end; the allocation traces place the second one after the lm_head's weight grad.
 """

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..specs import ModelSpec
 from . import blocks as B
+from . import blocks_linear as BL
 from .autograd import Autograd, Tensor
 
 INT64 = 8
@@ -187,7 +188,7 @@ class Net:
         b_t = p[f"{name}.bias"] if bias else None
         z3 = self.hooks.zero3_linear  # ZeRO-3's linear multiplies by the weight itself and always saves x
         cuda = s.b if self.device == "cuda" else None
-        return self._adaptable(name, out_features, x, (w, b_t), lambda z: B.linear(
+        return self._adaptable(name, out_features, x, (w, b_t), lambda z: BL.linear(
             self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=not z3, keeps_input=z3,
             cuda_bytes=cuda))
 
@@ -196,7 +197,7 @@ class Net:
         s, p = self.s, self.p
         w, b_t = p[f"{name}.weight"], p[f"{name}.bias"]
         cuda = s.b if self.device == "cuda" else None
-        return self._adaptable(name, out_features, x, (w, b_t), lambda z: B.linear(
+        return self._adaptable(name, out_features, x, (w, b_t), lambda z: BL.linear(
             self.ag, z, w, s.b * s.tokens * out_features, name, b_t, transposed=False, cuda_bytes=cuda))
 
     def _adaptable(self, name: str, out_features: int, x: Tensor, params: tuple, run) -> Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from .. import blocks as B
+from .. import blocks_linear as BL
 from ..autograd import Tensor, _Ctx
 from ..transformer import INT64, Net, Output, causal_lm_head, embedding
 
@@ -127,7 +128,7 @@ def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i
         ag, z, m.attention_dropout, b, f"{pre}.attention_dropout", net.device), probs)
     ag.release(probs)  # attention_probs is rebound to the dropout's output
     # torch.bmm; _merge_heads' view back from the permuted grad copies it for B > 1
-    ctx = B.matmul(ag, dropped, v, b * s.tokens * h, f"{pre}.context", grad_copy=copy)
+    ctx = BL.matmul(ag, dropped, v, b * s.tokens * h, f"{pre}.context", grad_copy=copy)
     merged = B.clone(ag, ctx, f"{pre}.merged")  # _merge_heads: view, permute, reshape
     ag.release(ctx)
     y = net.linear(merged, f"{pre}.dense", h, True)

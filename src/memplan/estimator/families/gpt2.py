@@ -8,6 +8,7 @@ from __future__ import annotations
 from .. import blocks as B
 from .. import blocks_attention as A
 from .. import blocks_gpt as G
+from .. import blocks_linear as BL
 from ..autograd import Tensor
 from ..transformer import (
     Net,
@@ -33,7 +34,7 @@ def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     caller's reshape copies it). Returns the output and attn_weights (the dropout's output)."""
     ag = net.ag
     copy = A._folds_copy(True, g)
-    scores = B.matmul(ag, q, k, g.scores(), f"{name}.scores", copy_a=copy, copy_c=copy)
+    scores = BL.matmul(ag, q, k, g.scores(), f"{name}.scores", copy_a=copy, copy_c=copy)
     scaled = B.scale(ag, scores, f"{name}.scaled")
     ag.release(scores)
     if mask is not None:
@@ -44,7 +45,7 @@ def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     ag.release(scaled)
     dropped = dropout(net, probs, net.m.attention_dropout, f"{name}.dropout")
     ag.release(probs)
-    out = B.matmul(ag, dropped, v, g.bytes(), f"{name}.out", copy_c=copy, grad_copy=copy)
+    out = BL.matmul(ag, dropped, v, g.bytes(), f"{name}.out", copy_c=copy, grad_copy=copy)
     return out, dropped
 
 

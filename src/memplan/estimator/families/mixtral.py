@@ -6,6 +6,7 @@ as the MLP, the router (MixtralTopKRouter) and the experts through grouped_mm_ex
 from __future__ import annotations
 
 from .. import blocks as B
+from .. import blocks_linear as BL
 from .. import blocks_moe as M
 from .. import peft_param as PW
 from ..autograd import Tensor
@@ -36,7 +37,7 @@ def _router(net: Net, x: Tensor, read, i: int, renormalize: bool, weight_bytes: 
     ag, m, s = net.ag, net.m, net.s
     pre, t, e, k = f"model.layers.{i}.mlp.gate", s.tokens, m.num_experts, m.num_experts_per_tok
     xr = ag.view(x)  # hidden_states.reshape(-1, hidden_dim): a view node of its own
-    logits = B.linear(ag, xr, read(f"{pre}.weight"), s.b * t * e, pre)  # F.linear(hidden_states, self.weight)
+    logits = BL.linear(ag, xr, read(f"{pre}.weight"), s.b * t * e, pre)  # F.linear(hidden_states, self.weight)
     ag.release(xr)
     f32 = B.to_dtype(ag, logits, B.FP32 * t * e, f"{pre}.logits_fp32")  # Qwen3: softmax(dtype=float) converts
     probs = ag.op(f"{pre}.softmax", B.FP32 * t * e, (f32,), ("out",),
