@@ -231,6 +231,7 @@ def test_zero3_says_its_reserved_assumes_the_gpu_keeps_up():
     from memplan.estimator import measurement_notes
 
     def said(stage):
-        return any(n.startswith("ZeRO-3: DeepSpeed frees gathered parameters") for n in measurement_notes(tiny_job(stage)))
+        notes = measurement_notes(tiny_job(stage))
+        return any(n.startswith("ZeRO-3: DeepSpeed frees gathered parameters") for n in notes)
 
     assert said(3) and not said(2)

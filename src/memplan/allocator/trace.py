@@ -309,5 +309,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# and, through __getattr__, the names of _FROM_REPLAY
 __all__ = ["ACTIONS", "FORMAT", "MARKER_BYTES", "MARKER_FUNCTION", "VERSION", "check_integrity", "compact_trace",
-           "frame_label", "marker_test", "read_trace", "short_frame", "write_trace"]  # and, through __getattr__, the names of _FROM_REPLAY
+           "frame_label", "marker_test", "read_trace", "short_frame", "write_trace"]

@@ -31,11 +31,12 @@ it cast to fp32 into the sub-group's host fp32 grad (NVMe: the fp32 casts of the
 swap-out). The epilogue reduces what is left; backward_epilogue releases leftover parameters.
 
 Step: every gathered parameter released (_partition_all_parameters); fp16 checks the grad buffer for inf/nan
-(``torch.isinf(buffer).any()``: an fp16 abs and a byte per element; ``isnan``: a byte per element); without offload
-the norm upcasts each grad partition to fp64 in turn (get_grad_norm_direct) and per sub-group the grads are flattened
-and cast to fp32 (_prepare_fp32_grad_for_sub_group); the optimizer runs (on the host under offload: DeepSpeedCPUAdam);
-the updated fp32 partition is copied into the 16-bit flat buffer (_reassign_or_swap_out_partitioned_parameters, a
-converting copy); the fp32 grad dropped; then the persistent parameters are gathered again (_post_step).
+(``torch.isinf(buffer).any()``: an abs in the buffer's dtype and a byte per element; ``isnan``: a byte per
+element); without offload the norm upcasts each grad partition to fp64 in turn (get_grad_norm_direct) and per
+sub-group the grads are flattened and cast to fp32 (_prepare_fp32_grad_for_sub_group); the optimizer runs (on the
+host under offload: DeepSpeedCPUAdam); the updated fp32 partition is copied into the 16-bit flat buffer
+(_reassign_or_swap_out_partitioned_parameters, a converting copy); the fp32 grad dropped; then the persistent
+parameters are gathered again (_post_step).
 """
 
 from __future__ import annotations
