@@ -84,6 +84,11 @@ class Autograd(BackwardEngine):
         #: parameters a live node saved through a view (blocks_moe.grouped_mm: ``weight.transpose(-2, -1)``):
         #: the view keeps the gathered storage when ZeRO-3 swaps param.data for its partition
         self.saved_param_views: set[str] = set()
+        #: parameters a checkpoint's recompute saved that require grad: its pack hook keeps ``x.detach()`` of
+        #: those (torch/utils/checkpoint.py _recomputation_hook: ``x.detach() if x.requires_grad else x``), a new
+        #: tensor on the gathered storage; a frozen parameter is kept as itself, and ZeRO-3's param.data swap
+        #: frees its storage (Region.recompute clears the set)
+        self.recompute_detached: set[str] = set()
         #: called with a parameter's name when a node releases it from its saved tensors (ZeRO-3: the gathered
         #: storage a checkpoint's recompute kept for it goes then, inside the node's call_function, before
         #: validate_outputs sums a bias's grad and before the parameter's AccumulateGrad runs)
@@ -177,6 +182,8 @@ class Autograd(BackwardEngine):
             saved = ()
         for s in saved:
             self.ref(s)
+            if self.recomputing and s.param is not None and s.requires_grad:
+                self.recompute_detached.add(s.param)
         if not self.recomputing:  # a recompute's graph is dropped: its edges feed no AccumulateGrad
             for t in inputs:  # edges into each parameter's AccumulateGrad
                 if t is not None and t.requires_grad and t.param is not None and t.node is None:

@@ -35,6 +35,7 @@ class Region:
         # torch.utils.checkpoint's early stop: the rerun ends once the region's last saved tensor is packed
         ag.stop_at = start + self.last_saving
         ag.recomputing = True
+        ag.recompute_detached.clear()
         out = self.run(self.x)
         ag.region, ag.stop_at, ag.suppress, ag.recomputing = outer, None, False, False
         twins = ag.nodes[start:]

@@ -42,6 +42,12 @@ HOST_STATES = {"lion": ("exp_avg",)}
 CPU_ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
+def fused_fp16_optimizer(optimizer: str) -> bool:
+    """Whether DeepSpeedEngine._configure_fp16_optimizer wraps this basic optimizer in FP16_Optimizer (only a
+    FusedAdam: ``isinstance(optimizer, FusedAdam)``) rather than FP16_UnfusedOptimizer (no ZeRO, 16-bit)."""
+    return optimizer == "adamw"
+
+
 @dataclass
 class Optimizer:
     """One optimizer over one or more parameter groups; states persist once created."""
@@ -51,7 +57,7 @@ class Optimizer:
     host: Places | None = None
 
     def __post_init__(self) -> None:
-        self.states: dict[int, list[int]] = {}
+        self.states: dict[int | str, list[int]] = {}
 
     def state_names(self) -> tuple[str, ...]:
         return KINDS[self.kind][0] if self.on_gpu else ()
@@ -68,5 +74,18 @@ class Optimizer:
             self.states[group] = [L.alloc(f"optimizer.{s}", FP32 * n, "optimizer_states") for s in names]
         temps = [L.alloc("optimizer.foreach_temporary", FP32 * n, "optimizer_step_transient")
                  for _ in range(temporaries)]
+        for t in temps:
+            L.free(t)
+
+    def step_tensors(self, L: Ledger, numels: list[int], key: str = "tensors") -> None:
+        """optimizer.step() over one parameter group of separate fp32 tensors (FP16_UnfusedOptimizer's fp32
+        copies, on the GPU): at the first step each tensor's states in turn (_init_group / FusedLion's
+        zeros_like, parameter by parameter), each foreach temporary one tensor per parameter, all alive until
+        the step returns."""
+        names, temporaries = KINDS[self.kind]
+        if key not in self.states:
+            self.states[key] = [L.alloc(f"optimizer.{s}", FP32 * n, "optimizer_states") for n in numels for s in names]
+        temps = [L.alloc("optimizer.foreach_temporary", FP32 * n, "optimizer_step_transient")
+                 for _ in range(temporaries) for n in numels]
         for t in temps:
             L.free(t)

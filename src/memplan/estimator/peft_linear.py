@@ -88,6 +88,7 @@ def lora_linear(net, x: Tensor, name: str, out_features: int, base) -> Tensor:
     wa, wb = p[a_name], p[b_name]
     rank = p.lora_rank
     result = base(x)
+    net.hooks.param_access(ag, name, a_name)  # _cast_input_dtype(x, lora_A.weight.dtype) reads lora_A's weight
     xa = B.to_dtype(ag, x, x.nbytes // s.b * p.adapter_bytes, f"{name}.lora_input")
     # self.lora_dropout[adapter](x): a module (nn.Dropout, or nn.Identity at 0) without parameters
     dropped = net.container(f"{name}.lora_dropout.{ADAPTER}", lambda z: B.dropout(

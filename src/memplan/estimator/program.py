@@ -140,6 +140,8 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
         from ..params import parameter_tensors
 
         engine.build([(p.name, p.numel) for p in parameter_tensors(job.model)])
+        if job.model.tie_word_embeddings:  # the *ForCausalLM's own lm_head, before post_init ties it
+            engine.build_replaced("lm_head.weight (before tie_weights)", parameter_tensors(job.model)[0].name)
         # peft's adapters, made after zero.Init, are partitioned as deepspeed.initialize wraps the model
         # (DeepSpeedZeRoOffload converts the parameters without a ds_id)
         engine.partition(list(adapters), build_adapters(L, adapters, dtype_bytes(t.dtype)))

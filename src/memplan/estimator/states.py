@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..units import round_up
+from .optim import fused_fp16_optimizer
 
 #: ZeRO-1/2 pad the flat 16-bit buffer to nccl_start_alignment_factor (2) × N elements
 #: (stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__: alignment = nccl_start_alignment_factor * world)
@@ -83,11 +84,12 @@ def stage0(p: int, b: int, optimizer: str) -> States:
     step() flattens [g.to(fp32)] → per-param fp32 copies (4P) plus the flat fp32 grad (4P), then frees
     the 16-bit grads; its initialize_optimizer_states runs one optimizer step on a zero fp32 grad at init, so the
     states exist even when every fp16 step overflows. fp32 training: the plain torch optimizer, states of 4
-    bytes, created at its first step."""
+    bytes, created at its first step. A basic optimizer other than FusedAdam runs under FP16_UnfusedOptimizer
+    (estimator/zero0.py): per-parameter fp32 copies, the step's fp32 grads (4P) beside the 16-bit ones."""
     opt = OPTIMIZERS[optimizer]
     master = 4 * p if b < 4 else 0  # mixed precision keeps fp32 masters (Micikevicius et al. 2018)
     state_bytes = (4 if master else b) * opt.states_per_param * p
-    transient = 8 * p if master else 0
+    transient = (8 * p if fused_fp16_optimizer(optimizer) else 4 * p) if master else 0
     return States(b * p, 0, master, state_bytes, b * p, b * p, 0, transient, 4 * p if master else 0, 0, 0, 0,
                   states_at_init=bool(master))
 

@@ -94,6 +94,10 @@ class ModuleHooks:
         """A ZeRO-3 leaf module's full backward hook on its inputs (Net.leaf)."""
         return inputs
 
+    def param_access(self, ag: Autograd, module: str, name: str) -> None:
+        """A forward reads parameter ``name`` while ``module`` is the innermost module running, outside the
+        parameter's own module (ZeRO-3 gathers it then: Zero3Params.param_access)."""
+
 
 class Net:
     """One forward's context: the autograd model, the model spec, the shape, the parameters and the hooks."""

@@ -1,5 +1,7 @@
-"""No ZeRO: DeepSpeed's FP16_Optimizer (fp16, and DDP_BFLOAT16 for bf16; runtime/fp16/fused_optimizer.py) and a
-plain torch optimizer in fp32, as ledger events.
+"""No ZeRO: DeepSpeed's FP16_Optimizer (fp16, and DDP_BFLOAT16 for bf16; runtime/fp16/fused_optimizer.py) or
+FP16_UnfusedOptimizer (runtime/fp16/unfused_optimizer.py), and a plain torch optimizer in fp32, as ledger events.
+DeepSpeedEngine._configure_fp16_optimizer takes the fused one only when the basic optimizer is a FusedAdam
+(memplan's adamw); SGD, FusedLion and torch's AdamW run unfused.
 
 FP16_Optimizer.__init__ flattens each group from clones of its parameters (``_flatten_dense_tensors([p.clone()
 …])``: the clones live until the flat buffer is made), points the parameters into the flat buffer (their own
@@ -7,7 +9,14 @@ storages die), and clones the flat buffer to an fp32 master (``.clone().float()`
 runs one optimizer step on a zero fp32 grad, so the optimizer states exist from init. Backward keeps the 16-bit
 grads as ``param.grad`` (accumulating in place over micro-steps). step(): each grad cast to fp32
 (``p.grad.to(fp32)``), all of them flattened into one fp32 grad, the 16-bit grads dropped, the optimizer run,
-the fp32 grad dropped. Engine allreduce at the boundary (buffered_allreduce_fallback) flattens the grads in
+the fp32 grad dropped.
+
+FP16_UnfusedOptimizer.__init__ keeps the 16-bit parameters and makes an fp32 copy of each (``p.clone().float()``:
+the clone dies as the copy is made); initialize_optimizer_states gives every 16-bit and every fp32 parameter a
+zero grad, runs the optimizer once (its states, tensor by tensor) and drops those grads. step(): the grad norm
+takes each 16-bit grad's fp32 copy in turn (get_weight_norm: ``p.data.float().norm()``), each grad is cast to
+its fp32 parameter's .grad (all alive), the optimizer runs over the fp32 tensors, their grads are dropped, and
+the engine's zero_grad drops the 16-bit ones. Engine allreduce at the boundary (buffered_allreduce_fallback) flattens the grads in
 buckets of allreduce_bucket_size elements (a copy per bucket) when there is more than one rank.
 """
 
@@ -15,7 +24,7 @@ from __future__ import annotations
 
 from ..ledger import Ledger
 from .autograd import Autograd, Tensor
-from .optim import Optimizer
+from .optim import Optimizer, fused_fp16_optimizer
 
 FP32 = 4
 
@@ -27,6 +36,7 @@ class Zero0:
                  dp: int, allreduce_bucket: int):
         self.L, self.names, self.numels, self.b, self.opt = ledger, names, numels, b, optimizer
         self.mixed = b < FP32
+        self.fused = fused_fp16_optimizer(optimizer.kind)
         self.dp, self.bucket = dp, allreduce_bucket
         self.grads: dict[str, Tensor] = {}
         self.total = sum(numels)
@@ -34,6 +44,18 @@ class Zero0:
     def initialize(self, param_ids: dict[str, int]) -> None:
         L, b = self.L, self.b
         if not self.mixed:
+            return
+        if not self.fused:
+            for n in self.numels:
+                clone = L.alloc("fp16_unfused.param_clone", b * n, "params_16bit")
+                L.alloc("fp16_unfused.fp32_param", FP32 * n, "master_params_fp32")
+                L.free(clone)
+            grads = [L.alloc("fp16_unfused.initial_grad", b * n, "optimizer_step_transient") for n in self.numels]
+            grads += [L.alloc("fp16_unfused.initial_grad_fp32", FP32 * n, "optimizer_step_transient")
+                      for n in self.numels]
+            self.opt.step_tensors(L, self.numels)
+            for g in grads:
+                L.free(g)
             return
         clones = [L.alloc("fp16_optimizer.param_clone", b * n, "params_16bit") for n in self.numels]
         L.alloc("fp16_optimizer.fp16_groups_flat", b * self.total, "params_16bit")
@@ -77,6 +99,19 @@ class Zero0:
             for g in self.grads.values():  # the training loop's zero_grad (engine.step: set_to_none)
                 ag.release(g)
             self.grads.clear()
+            return
+        if not self.fused:
+            for name, n in zip(self.names, self.numels):
+                if name in self.grads:
+                    L.free(L.alloc("fp16_unfused.norm_grad_fp32", FP32 * n, "optimizer_step_transient"))
+            casts = [L.alloc("fp16_unfused.grad_fp32", FP32 * n, "optimizer_step_transient") for n in self.numels]
+            self.opt.step_tensors(L, self.numels)
+            for c in casts:
+                L.free(c)
+            for name in self.names:  # engine.step → optimizer.zero_grad(set_to_none)
+                g = self.grads.pop(name, None)
+                if g is not None:
+                    ag.release(g)
             return
         casts = [L.alloc("fp16_optimizer.grad_fp32", FP32 * n, "optimizer_step_transient") for n in self.numels]
         flat = L.alloc("fp16_optimizer.grads_groups_flat", FP32 * self.total, "optimizer_step_transient")

@@ -9,10 +9,15 @@ whole freed.
 Gathering (PartitionedParameterCoordinator.__all_gather_params_ → Init.all_gather_coalesced): the parameters of a
 module not yet available, sorted by ds_id (model order). N = 1: no gather (_no_gather_coalesced: param.data =
 ds_tensor.to(device), a view of the GPU partition, a new GPU copy of a host one). One parameter
-(_all_gather_sequential): a buffer of its aligned size is the parameter. Several (_all_gather_dtype): one flat
-buffer; at the first wait on any of them (AllGatherCoalescedHandle.wait) every parameter of the handle is copied
-out of it (``torch.cat(partitions)``), and the flat buffer dies when the coordinator has popped the handle for its
-last parameter. With offload_param the host partitions are copied to the GPU first (``ds_tensor.to(device)``, one
+(_all_gather_sequential): a buffer of its aligned size is the parameter. Several (_all_gather_coalesced): one flat
+buffer per communication dtype (_all_gather_dtype, in sort_dtypes order); at the first wait on any of them
+(MultipleAllGatherHandles.wait) every parameter of the handle is copied out of its flat buffer
+(``torch.cat(partitions)``), and the flat buffers die when the coordinator has popped the handle for its last
+parameter. A module's fetch adds it to each parameter's ds_active_sub_modules and its release takes it out;
+__release_param partitions only a parameter no module holds: a parameter a forward read outside its own module
+(an external parameter, peft's lora_A) is held by the module it was read in, and a frozen parameter a
+checkpoint's recompute gathered by the backward module that was active then (ds_recompute_parameters), until
+that module's backward release. With offload_param the host partitions are copied to the GPU first (``ds_tensor.to(device)``, one
 temporary per parameter while the gather is launched). From the second step the recorded trace drives a prefetch
 of up to min(stage3_prefetch_bucket_size, stage3_max_live_parameters − available) elements per fetch. After a
 module runs its parameters are released unless persistent (numel ≤ stage3_param_persistence_threshold, from the
@@ -71,6 +76,18 @@ class Zero3Params(ModuleHooks):
         self.step_id = 0
         self.partitions: dict[str, int] = {}  # name → id of its partition (host ledger under offload_param)
         self.retained: dict[str, list[int | None]] = {}  # released in a recompute, kept by a saved tensor
+        #: __active_backward_submodules: modules whose backward fetch ran and whose backward release has not, in
+        #: first-fetch order (a dict keyed by ds_id: a second fetch keeps the place)
+        self.active_backward: dict[str, None] = {}
+        #: ds_recompute_parameters: per backward module, the frozen parameters a recompute gathered while it was
+        #: the last active one (update_recompute_parameters)
+        self.recompute_owned: dict[str, set[str]] = {}
+        #: ds_active_sub_modules: per parameter, the modules whose fetch added it and whose release has not run
+        #: (__release_param partitions only a parameter no module holds)
+        self.holders: dict[str, set[str]] = {}
+        #: register_external_parameter: per module, parameters a forward read while they were not available
+        #: (ZeROOrderedDict.__getitem__ in engine.forward), fetched and released with the module from then on
+        self.external: dict[str, tuple[str, ...]] = {}
 
     def persistent(self, name: str) -> bool:
         return self.numel[name] <= self.persist_at
@@ -85,6 +102,19 @@ class Zero3Params(ModuleHooks):
             params = list(group)
             wholes = [L.alloc(name, w[name] * numel, "params_16bit") for name, numel in params]
             self.partition(params, wholes)
+
+    def build_replaced(self, name: str, like: str) -> None:
+        """A parameter built under zero.Init and replaced before deepspeed.initialize (a tied lm_head: tie_weights
+        points it at the embedding): made whole, partitioned, the whole freed, then its partition once Python
+        collects the old parameter (in CPU traces before the engine configures its optimizer)."""
+        self.w[name] = self.w[like]  # ``like``: the parameter it is replaced by (same shape and dtype)
+        numel = self.numel[like]
+        self.partition([(name, numel)], [self.L.alloc(name, self.w[name] * numel, "params_16bit")])
+        part = self.partitions.pop(name)
+        if self.offload_param:
+            self.P.free_host(part)
+        else:
+            self.L.free(part)
 
     def partition(self, params: list[tuple[str, int]], wholes: list[int]) -> None:
         """_partition_param for parameters that exist whole (ledger ids ``wholes``): each one's partition made,
@@ -129,9 +159,15 @@ class Zero3Params(ModuleHooks):
             self.avail[p] = L.alloc(f"{p} (gathered)", w[p] * self.part[p] * self.n, "params_gathered", s)
             self._free_all(self._h2d(todo, s))
             return
-        flat = L.alloc("zero3.allgather_flat", self.n * sum(w[p] * self.part[p] for p in todo), "params_gathered", s)
-        self._free_all(self._h2d(todo, s))  # torch.cat(..., out=partition) of the copies
-        handle = [flat, set(todo), todo]
+        # _all_gather_coalesced: one _all_gather_dtype flat buffer per communication dtype, in sort_dtypes order
+        # (str(dtype): bfloat16 and float16 before float32, peft's fp32 adapters last), ds_id order within each
+        groups = [[p for p in todo if w[p] == width] for width in sorted({w[p] for p in todo})]
+        flats = []
+        for group in groups:
+            flats.append(L.alloc("zero3.allgather_flat", self.n * sum(w[p] * self.part[p] for p in group),
+                                 "params_gathered", s))
+            self._free_all(self._h2d(group, s))  # torch.cat(..., out=partition) of the copies
+        handle = [flats, set(todo), [p for group in groups for p in group]]
         for p in todo:
             self.inflight[p] = handle
 
@@ -146,13 +182,15 @@ class Zero3Params(ModuleHooks):
                                              ALLGATHER_STREAM)
             handle[2] = []
         handle[1].discard(name)
-        if not handle[1]:
-            self.L.free(handle[0])
+        if not handle[1]:  # MultipleAllGatherHandles' list dies last item first (CPython list_dealloc)
+            for flat in reversed(handle[0]):
+                self.L.free(flat)
 
     def _release(self, name: str, retain: bool = False) -> None:
-        """__release_param: an available parameter (not one still in flight) partitioned again. ``retain``: in
-        a checkpoint's recompute the node that saved the parameter keeps its gathered storage alive."""
-        if name in self.avail and name not in self.inflight:
+        """__release_param: an available parameter (not one still in flight, nor one another module's
+        ds_active_sub_modules holds) partitioned again. ``retain``: in a checkpoint's recompute the node that
+        saved the parameter keeps its gathered storage alive."""
+        if name in self.avail and name not in self.inflight and not self.holders.get(name):
             tid = self.avail.pop(name)
             if retain:
                 self.retained.setdefault(name, []).append(tid)
@@ -211,12 +249,14 @@ class Zero3Params(ModuleHooks):
                 self._all_gather(chosen)
         self.step_id += 1
 
-    def release(self, params: tuple[str, ...], retain: bool = False, saved: frozenset | set = frozenset()) -> None:
-        """release_sub_module with __params_to_release's rules; ``saved``: parameters a node keeps through a
-        view (Autograd.saved_param_views), whose gathered storage outlives the release."""
+    def release(self, params: tuple[str, ...], retain: frozenset = frozenset(), saved: frozenset | set = frozenset()
+                ) -> None:
+        """release_sub_module with __params_to_release's rules; ``retain``: parameters a checkpoint's recompute
+        saved through x.detach() (Autograd.recompute_detached), ``saved``: parameters a node keeps through a view
+        (Autograd.saved_param_views): the gathered storage of both outlives the release."""
         if not self.complete:
             for p in params:
-                self._release(p, retain or p in saved)
+                self._release(p, p in retain or p in saved)
             return
         keep = {p for p in params if self.persistent(p) or self.recent.get(p, -10**12) > self.step_id}
         traversed = 0
@@ -232,10 +272,14 @@ class Zero3Params(ModuleHooks):
                 traversed += self.numel[p]
         for p in params:
             if p not in keep:
-                self._release(p, retain or p in saved)
+                self._release(p, p in retain or p in saved)
 
     def partition_all(self) -> None:
-        """_partition_all_parameters → release_and_reset_all: in-flight handles waited, everything released."""
+        """_partition_all_parameters → release_and_reset_all: in-flight handles waited, ds_active_sub_modules
+        cleared, everything released."""
+        self.holders.clear()
+        self.recompute_owned.clear()
+        self.active_backward.clear()
         for p in self.order:
             self.free_retained(p)
             self._wait(p)
@@ -249,19 +293,55 @@ class Zero3Params(ModuleHooks):
 
     # -- module hooks -------------------------------------------------------------------------------------
     # A non-reentrant checkpoint's recompute (torch/utils/checkpoint.py _recomputation_hook) runs the modules'
-    # hooks again: each gathers its parameters, and the pack hook keeps ``x.detach()`` of every tensor the
-    # module's node saves — the weight too (LinearFunctionForZeroStage3 saves input and weight; the norms'
-    # multiply saves the weight) — so the release after the module frees nothing: the storage lives until the
-    # node has run in backward and released what it saved; its backward fetch gathers the parameter again.
+    # hooks again: each gathers its parameters, and the pack hook keeps ``x.detach()`` of every saved tensor
+    # that requires grad — a trained weight too (LinearFunctionForZeroStage3 saves input, weight and bias;
+    # addmm the weight only; the norms' multiply the weight) — so the release after the module frees nothing
+    # of those: the storage lives until the node has run in backward and released what it saved; its backward
+    # fetch gathers the parameter again. A frozen parameter (LoRA's base) is kept as itself, not detached, and
+    # an unsaved one (Conv1D's bias) not at all: their release frees the gathered storage as usual.
     # The recompute starts when backward first unpacks a saved tensor of the region (unpack_hook), so after the
     # PreBackwardFunctionForModule of the region's last module has fetched its weight: the recompute's fetch
     # of that module finds it available. It stops (_StopRecomputationError) once the last saved tensor is
     # packed: that module's post-forward hook and everything after it never run.
+    def _module_params(self, module: str, own: tuple[str, ...]) -> tuple[str, ...]:
+        """iter_params(module): its own parameters, then its external ones."""
+        return tuple(dict.fromkeys(own + self.external.get(module, ())))
+
+    def _hold(self, module: str, names: tuple[str, ...]) -> None:
+        for p in names:
+            self.holders.setdefault(p, set()).add(module)
+
+    def _unhold(self, module: str, names) -> None:
+        for p in names:
+            self.holders.get(p, set()).discard(module)
+
+    def param_access(self, ag: Autograd, module: str, name: str) -> None:
+        """A forward reads parameter ``name`` outside its own module (peft's ``lora_A.weight.dtype``) while
+        ``module`` is the innermost one running: in engine.forward a parameter not available is registered as
+        ``module``'s external parameter and gathered at once (ZeROOrderedDict.__getitem__: param.all_gather();
+        a recompute runs outside engine.forward, where reads gather nothing)."""
+        if getattr(ag, "stop_at", None) is not None or getattr(ag, "suppress", False):
+            return
+        if name in self.avail or name in self.inflight:
+            return
+        self.external[module] = (*self.external.get(module, ()), name)
+        self.gather_now([name])
+
     def pre_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]):
         if getattr(ag, "suppress", False):
             return inputs
-        names = tuple(dict.fromkeys(t.param for t in params))
+        names = self._module_params(module, tuple(t.param for t in params))
         self.fetch(names)
+        self._hold(module, names)
+        if getattr(ag, "stop_at", None) is not None and self.active_backward:
+            # _fetch_sub_module_impl in a checkpoint's recompute (a forward inside backward's graph task): each
+            # frozen parameter is attributed to the last active backward module (update_recompute_parameters),
+            # whose id in its ds_active_sub_modules keeps it gathered past this module's release until that
+            # module's backward release; trained ones release as usual (their storage kept by the saved detach)
+            owner = next(reversed(self.active_backward))
+            frozen = tuple(t.param for t in params if not t.requires_grad)
+            self.recompute_owned.setdefault(owner, set()).update(frozen)
+            self._hold(owner, frozen)
         # PostBackwardFunctionModule on each input that requires grad: once all their grads are computed
         # (module.ds_grads_remaining back to 0), release the module's parameters
         remaining = [sum(1 for x in inputs if x.requires_grad)]
@@ -269,16 +349,40 @@ class Zero3Params(ModuleHooks):
         def after_backward():
             remaining[0] -= 1
             if remaining[0] == 0:
-                self.release(names)
+                self.backward_release(ag, module, tuple(t.param for t in params))
         return tuple(ag.marker(x, after_backward) if x.requires_grad else x for x in inputs)
+
+    def backward_fetch(self, module: str, own: tuple[str, ...]) -> None:
+        """pre_sub_module_backward_function: the module becomes an active backward submodule, then its fetch."""
+        self.active_backward.setdefault(module, None)
+        names = self._module_params(module, own)
+        self.fetch(names)
+        self._hold(module, names)
+
+    def backward_release(self, ag: Autograd, module: str, own: tuple[str, ...]) -> None:
+        """release_sub_module(forward=False): the module leaves the active backward submodules; its parameters
+        go by __params_to_release's rules, the frozen ones a recompute attributed to it (ds_recompute_parameters)
+        whenever not persistent, each once no other module holds it (a view a live node saved keeps the storage:
+        Autograd.saved_param_views)."""
+        self.active_backward.pop(module, None)
+        names = self._module_params(module, own)
+        owned = self.recompute_owned.pop(module, set())
+        self._unhold(module, (*names, *owned))
+        self.release(names, saved=ag.saved_param_views)
+        for p in sorted(owned, key=self.rank_of.__getitem__):
+            if not self.persistent(p):
+                self._release(p, p in ag.saved_param_views)
 
     def post_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], output: Tensor) -> Tensor:
         if getattr(ag, "suppress", False):
             return output
-        names = tuple(dict.fromkeys(t.param for t in params))
-        self.release(names, retain=getattr(ag, "stop_at", None) is not None, saved=ag.saved_param_views)
+        names = self._module_params(module, tuple(t.param for t in params))
+        self._unhold(module, names)
+        kept = ag.recompute_detached if getattr(ag, "stop_at", None) is not None else ()
+        self.release(names, retain=frozenset(p for p in names if p in kept), saved=ag.saved_param_views)
         # PreBackwardFunctionForModule on the output: before the module's backward, fetch it
-        return ag.marker(output, lambda names=names: self.fetch(names)) if output.requires_grad else output
+        own = tuple(t.param for t in params)
+        return (ag.marker(output, lambda: self.backward_fetch(module, own)) if output.requires_grad else output)
 
     def end_forward(self, ag: Autograd, out):
         """The root module's post-forward hook: its outputs (the loss, the logits) wrapped in
@@ -286,10 +390,11 @@ class Zero3Params(ModuleHooks):
         a step of the trace like any other."""
         if getattr(ag, "suppress", False):
             return out
-        for _ in range(1 + self.wrapper_modules):  # the *ForCausalLM's, then each peft wrapper's (outermost last)
+        for level in range(1 + self.wrapper_modules):  # the *ForCausalLM's, then each peft wrapper's (outermost last)
             wrapped = []
             for t in (out.loss, out.logits):
-                w = ag.marker(t, lambda: self.fetch(())) if t.requires_grad else t
+                w = (ag.marker(t, lambda level=level: self.backward_fetch(f"(root {level})", ())) if t.requires_grad
+                     else t)
                 if w is not t:
                     ag.release(t)
                 wrapped.append(w)
@@ -301,6 +406,9 @@ class Zero3Params(ModuleHooks):
         parameters kept once the trace is complete."""
         for p in list(self.retained):
             self.free_retained(p)
+        self.active_backward.clear()  # the drain: every module's hold on its recompute parameters goes
+        self.recompute_owned.clear()
+        self.holders.clear()
         for p in list(self.avail):
             if not (self.complete and self.persistent(p)):
                 self._release(p)
