@@ -99,6 +99,22 @@ def test_measured_matrix_within_bars(part, bar, comparisons):
     assert value <= limit, f"{part}: {bar} |error| {value:.2%} > {limit:.0%}"
 
 
+#: the loops issue (11) and the LoRA issue (14) hold peak allocated to the same bars on each loop and on the adapter
+#: jobs, every split together (each has its own points: the loop a row ran, whether it trained adapters)
+SLICES = {
+    **{f"loop-{loop}": (lambda c, loop=loop: c.loop == loop) for loop in ("outputs", "loss", "hf-trainer")},
+    "lora": lambda c: c.adapters,
+}
+
+
+@pytest.mark.parametrize("part", sorted(SLICES))
+def test_allocated_within_bars_on_each_loop_and_on_adapters(part, comparisons):
+    points = [c for c in comparisons if SLICES[part](c)]
+    assert len(points) >= 15, f"only {len(points)} measured points"
+    median, worst = summary(points)
+    assert median <= ALLOC_MEDIAN and worst <= ALLOC_WORST, f"{part}: median {median:.2%}, worst {worst:.2%}"
+
+
 def test_the_parts_cover_every_point_once(comparisons, capsys):
     with capsys.disabled():  # the table of the studied rows (the check split's stays out of the log)
         print("\n" + "\n".join(table_lines([c for c in comparisons if c.split != "check"])))

@@ -48,6 +48,8 @@ class Comparison:
     #: a cudaMalloc failed because the processes sharing the GPU held the rest, and the cached blocks released
     #: then make the measured reserved a lower bound of what the job reserves alone
     reserved_lower_bound: bool = False
+    #: the job trains adapters on a frozen base (TrainingSpec.lora)
+    adapters: bool = False
 
     @property
     def error(self) -> float:
@@ -122,7 +124,8 @@ def compare_rows(rows) -> list[Comparison]:
                                   split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop,
                                   measured_reserved_bytes=reserved, predicted_reserved_bytes=q.peak_reserved_bytes,
                                   model=LEDGER if ledger_supported(job) else PHASES,
-                                  reserved_lower_bound=allocator_retried(row)))
+                                  reserved_lower_bound=allocator_retried(row),
+                                  adapters=job.training.lora is not None))
     return out
 
 
