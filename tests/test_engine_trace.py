@@ -49,6 +49,10 @@ CASES = {
     "z3-knobs-w4": {"optimizer": "sgd", "world": 4, "grad_accum": 2, "zero": {"stage": 3, **KNOBS}},
     "z1-bf16-optimizer-ga2": {"optimizer": "sgd", "grad_accum_dtype": "fp32", "grad_accum": 2, "zero": {"stage": 1}},
     "z2-sgd": {"optimizer": "sgd", "zero": {"stage": 2}},
+    # fp32 accumulation at stage 2: the compact fp32 partition, no grads_in_partition, slices bound for another
+    # rank merged (use_multi_rank_bucket_allreduce)
+    "z2-fp32-accumulation-ga2-w4": {"optimizer": "sgd", "grad_accum": 2, "grad_accum_dtype": "fp32", "world": 4,
+                                    "zero": {"stage": 2, "reduce_bucket_size": 300_000}},
     # no ZeRO, a basic optimizer that is not a FusedAdam: FP16_UnfusedOptimizer (DDP_BFLOAT16 in bf16), an fp32
     # copy per parameter, per-parameter fp32 grads at the step
     "z0-unfused-sgd-ga2": {"optimizer": "sgd", "grad_accum": 2, "zero": {"stage": 0}},

@@ -107,11 +107,11 @@ class Zero12:
         #: under a PipelineEngine reduce_gradients(pipeline_parallel=True) allocates one more IPG buffer (with
         #: contiguous_gradients: "with PP we must create ipg buffer, since backward is handled outside zero")
         self.pipeline = pipeline
-        #: offloaded with fp32 accumulation of 16-bit grads (_use_compact_grad_partition_buffer under cpu_offload):
+        #: stage 2 with fp32 accumulation of 16-bit grads (_use_compact_grad_partition_buffer, offloaded or not):
         #: the reduced grads are added, cast to fp32, into a compact fp32 partition on the GPU
         #: (_build_compact_grad_partition_buffer: zeros of the partition, at the first reduction of one of its
-        #: slices, until the step)
-        self.compact = compact and offload and stage == 2
+        #: slices, until the step) and copy_grads_in_partition returns at once (no grads_in_partition)
+        self.compact = compact and stage == 2
         self.compact_buffer: int | None = None
 
     # -- init -------------------------------------------------------------------------------------------
@@ -185,8 +185,11 @@ class Zero12:
         """average_tensor on the bucket's contents, then each parameter's grad to its partition or dropped."""
         if not self.bucket_params:
             return
-        if self.compact:
+        if self.compact and self.offload:
             self._reduce_into_compact(ag)
+            return
+        if self.compact:
+            self._scatter_into_compact(ag)
             return
         s = self.stream
         pieces = []  # (destination, elements) merged over consecutive same-destination slices
@@ -265,6 +268,40 @@ class Zero12:
                 ag.release(kept)
         self.bucket_params, self.bucket_elements = [], 0
 
+    def _scatter_into_compact(self, ag: Autograd) -> None:
+        """average_tensor with the compact fp32 partition on the GPU (use_multi_rank_bucket_allreduce, DeepSpeed's
+        default: every slice under the one ("allreduce", group) key). rank_and_offsets merges consecutive slices
+        bound for one other rank; a slice of this rank's partition stays apart with its output, the partition's
+        slice (_get_compact_grad_partition_slice builds the partition at the first one, before any reduction).
+        allreduce_and_scatter then reduces buckets of more than reduce_bucket_size elements
+        (allreduce_and_copy_with_multiple_ranks: a flat copy of several slices) and adds each local slice, cast
+        to fp32, into the partition; copy_grads_in_partition returns at once."""
+        L, s = self.L, self.stream
+        rank = self.groups[0].rank
+        pieces: list[list] = []  # [destination, elements, local]
+        for name, _ in self.bucket_params:
+            g, i = self.index[name]
+            for dst, n in self.groups[g].slices(i):
+                if dst != rank and pieces and pieces[-1][0] == dst:
+                    pieces[-1][1] += n
+                else:
+                    pieces.append([dst, n, dst == rank])
+        if self.compact_buffer is None and any(local for _, _, local in pieces):
+            part = sum(grp.partition for grp in self.groups)
+            self.compact_buffer = L.alloc("zero.compact_grad_partition", FP32 * part, "gradients", s)
+        small: list[list] = []
+        for piece in pieces:
+            small.append(piece)
+            if sum(p[1] for p in small) > self.rbs:
+                self._allreduce(small, sum(p[1] for p in small), s, tuple(p[1] for p in small if p[2]))
+                small = []
+        if small:
+            self._allreduce(small, sum(p[1] for p in small), s, tuple(p[1] for p in small if p[2]))
+        for _, kept in self.bucket_params:
+            if kept is not None:
+                ag.release(kept)
+        self.bucket_params, self.bucket_elements = [], 0
+
     def _offload_piece(self, n: int) -> None:
         """copy_grads_in_partition under cpu_offload at the boundary: set_norm_for_param_grad_in_gpu (the piece
         in fp64) and async_inplace_copy_grad_to_fp32_buffer_from_gpu (the piece cast to fp32, copied out)."""
@@ -337,6 +374,14 @@ class Zero12:
                 n = grp.overlap(i)
                 if n:
                     L.free(L.alloc("zero.norm_fp64", FP64 * n, "optimizer_step_transient"))
+        if self.compact:  # _get_preflattened_grad_partition: the compact fp32 partition is the fp32 grad itself
+            for g, grp in enumerate(self.groups):
+                self.opt.step(L, grp.partition, first, g)
+            if self.compact_buffer is not None:  # averaged_gradients dropped with the step
+                L.free(self.compact_buffer)
+                self.compact_buffer = None
+            self.micro = 0
+            return
         last = len(self.groups) - 1
         for g, grp in enumerate(self.groups):
             # get_flat_partition lists this rank's piece of each parameter (and a zero pad up to the partition);
