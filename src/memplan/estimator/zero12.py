@@ -192,23 +192,8 @@ class Zero12:
             self._scatter_into_compact(ag)
             return
         s = self.stream
-        pieces = []  # (destination, elements) merged over consecutive same-destination slices
-        for name, _ in self.bucket_params:
-            g, i = self.index[name]
-            for dst, n in self.groups[g].slices(i):
-                if pieces and pieces[-1][0] == dst:
-                    pieces[-1] = (dst, pieces[-1][1] + n)
-                else:
-                    pieces.append((dst, n))
-        small, count = [], 0  # allreduce_and_scatter: small buckets of up to reduce_bucket_size elements
-        for piece in pieces:
-            small.append(piece)
-            count += piece[1]
-            if count > self.rbs:
-                self._allreduce(small, count, s)
-                small, count = [], 0
-        if small:
-            self._allreduce(small, count, s)
+        for small in self._small_buckets(self._pieces(local_apart=False)):
+            self._allreduce(small, sum(n for _, n, _ in small), s)
         for name, kept in self.bucket_params:
             g, i = self.index[name]
             if self.groups[g].in_partition(i):
@@ -277,30 +262,43 @@ class Zero12:
         (allreduce_and_copy_with_multiple_ranks: a flat copy of several slices) and adds each local slice, cast
         to fp32, into the partition; copy_grads_in_partition returns at once."""
         L, s = self.L, self.stream
-        rank = self.groups[0].rank
-        pieces: list[list] = []  # [destination, elements, local]
-        for name, _ in self.bucket_params:
-            g, i = self.index[name]
-            for dst, n in self.groups[g].slices(i):
-                if dst != rank and pieces and pieces[-1][0] == dst:
-                    pieces[-1][1] += n
-                else:
-                    pieces.append([dst, n, dst == rank])
+        pieces = self._pieces(local_apart=True)
         if self.compact_buffer is None and any(local for _, _, local in pieces):
             part = sum(grp.partition for grp in self.groups)
             self.compact_buffer = L.alloc("zero.compact_grad_partition", FP32 * part, "gradients", s)
-        small: list[list] = []
-        for piece in pieces:
-            small.append(piece)
-            if sum(p[1] for p in small) > self.rbs:
-                self._allreduce(small, sum(p[1] for p in small), s, tuple(p[1] for p in small if p[2]))
-                small = []
-        if small:
-            self._allreduce(small, sum(p[1] for p in small), s, tuple(p[1] for p in small if p[2]))
+        for small in self._small_buckets(pieces):
+            self._allreduce(small, sum(n for _, n, _ in small), s, tuple(n for _, n, local in small if local))
         for _, kept in self.bucket_params:
             if kept is not None:
                 ag.release(kept)
         self.bucket_params, self.bucket_elements = [], 0
+
+    def _pieces(self, local_apart: bool) -> list[list]:
+        """The bucket's slices as average_tensor's rank_and_offsets lists them, [destination, elements, local]:
+        consecutive slices bound for one rank merged, except (``local_apart``, a compact fp32 partition) a slice
+        of this rank's own partition, which keeps its own output."""
+        rank = self.groups[0].rank
+        pieces: list[list] = []
+        for name, _ in self.bucket_params:
+            g, i = self.index[name]
+            for dst, n in self.groups[g].slices(i):
+                if pieces and pieces[-1][0] == dst and not (local_apart and dst == rank):
+                    pieces[-1][1] += n
+                else:
+                    pieces.append([dst, n, dst == rank])
+        return pieces
+
+    def _small_buckets(self, pieces: list[list]):
+        """allreduce_and_scatter's small buckets: pieces gathered until they hold more than reduce_bucket_size
+        elements, then the rest."""
+        small: list[list] = []
+        for piece in pieces:
+            small.append(piece)
+            if sum(n for _, n, _ in small) > self.rbs:
+                yield small
+                small = []
+        if small:
+            yield small
 
     def _offload_piece(self, n: int) -> None:
         """copy_grads_in_partition under cpu_offload at the boundary: set_norm_for_param_grad_in_gpu (the piece

@@ -249,8 +249,8 @@ class Zero3Params(ModuleHooks):
                 self._all_gather(chosen)
         self.step_id += 1
 
-    def release(self, params: tuple[str, ...], retain: frozenset = frozenset(), saved: frozenset | set = frozenset()
-                ) -> None:
+    def release(self, params: tuple[str, ...], retain: frozenset | set = frozenset(),
+                saved: frozenset | set = frozenset()) -> None:
         """release_sub_module with __params_to_release's rules; ``retain``: parameters a checkpoint's recompute
         saved through x.detach() (Autograd.recompute_detached), ``saved``: parameters a node keeps through a view
         (Autograd.saved_param_views): the gathered storage of both outlives the release."""
@@ -277,9 +277,7 @@ class Zero3Params(ModuleHooks):
     def partition_all(self) -> None:
         """_partition_all_parameters → release_and_reset_all: in-flight handles waited, ds_active_sub_modules
         cleared, everything released."""
-        self.holders.clear()
-        self.recompute_owned.clear()
-        self.active_backward.clear()
+        self._drop_holds()
         for p in self.order:
             self.free_retained(p)
             self._wait(p)
@@ -314,6 +312,12 @@ class Zero3Params(ModuleHooks):
     def _unhold(self, module: str, names) -> None:
         for p in names:
             self.holders.get(p, set()).discard(module)
+
+    def _drop_holds(self) -> None:
+        """Every active backward module, recompute attribution and ds_active_sub_modules entry gone."""
+        self.active_backward.clear()
+        self.recompute_owned.clear()
+        self.holders.clear()
 
     def param_access(self, ag: Autograd, module: str, name: str) -> None:
         """A forward reads parameter ``name`` outside its own module (peft's ``lora_A.weight.dtype``) while
@@ -378,8 +382,8 @@ class Zero3Params(ModuleHooks):
             return output
         names = self._module_params(module, tuple(t.param for t in params))
         self._unhold(module, names)
-        kept = ag.recompute_detached if getattr(ag, "stop_at", None) is not None else ()
-        self.release(names, retain=frozenset(p for p in names if p in kept), saved=ag.saved_param_views)
+        kept = ag.recompute_detached if getattr(ag, "stop_at", None) is not None else frozenset()
+        self.release(names, retain=kept, saved=ag.saved_param_views)
         # PreBackwardFunctionForModule on the output: before the module's backward, fetch it
         own = tuple(t.param for t in params)
         return (ag.marker(output, lambda: self.backward_fetch(module, own)) if output.requires_grad else output)
@@ -406,9 +410,7 @@ class Zero3Params(ModuleHooks):
         parameters kept once the trace is complete."""
         for p in list(self.retained):
             self.free_retained(p)
-        self.active_backward.clear()  # the drain: every module's hold on its recompute parameters goes
-        self.recompute_owned.clear()
-        self.holders.clear()
+        self._drop_holds()  # the drain: every module's hold on its parameters goes
         for p in list(self.avail):
             if not (self.complete and self.persistent(p)):
                 self._release(p)
