@@ -48,8 +48,15 @@ class Comparison:
     #: a cudaMalloc failed because the processes sharing the GPU held the rest, and the cached blocks released
     #: then make the measured reserved a lower bound of what the job reserves alone
     reserved_lower_bound: bool = False
+    #: the job frees with record_stream (ZeRO-3) and was measured on a GPU other processes shared (the batch's
+    #: shared_gpu): they slowed the GPU, so it fell further behind the host than it does alone and its deferred
+    #: frees completed later; the measured reserved is an upper bound of the job's own (benchmarks/accuracy/README.md,
+    #: "ZeRO-3 jobs run alone"), and only a prediction above it is judged
+    reserved_upper_bound: bool = False
     #: the job trains adapters on a frozen base (TrainingSpec.lora)
     adapters: bool = False
+    #: the GPU-behind bound of peak reserved (estimator.gpu_behind; None where nothing is freed with record_stream)
+    predicted_reserved_behind_bytes: int | None = None
 
     @property
     def error(self) -> float:
@@ -62,8 +69,19 @@ class Comparison:
         if not self.measured_reserved_bytes or self.predicted_reserved_bytes is None:
             return None
         err = (self.predicted_reserved_bytes - self.measured_reserved_bytes) / self.measured_reserved_bytes
-        # a lower bound judges only a prediction below it (an under that a lone run would make larger still)
-        return None if self.reserved_lower_bound and err >= 0 else err
+        # a lower bound judges only a prediction below it (an under that a lone run would make larger still), an
+        # upper bound only one above it
+        if (self.reserved_lower_bound and err >= 0) or (self.reserved_upper_bound and err < 0):
+            return None
+        return err
+
+    @property
+    def behind_error(self) -> float | None:
+        """Signed relative error of the GPU-behind bound of peak reserved (None where it or the measurement is
+        missing); a bound, so only its negative side is a failure."""
+        if not self.measured_reserved_bytes or self.predicted_reserved_behind_bytes is None:
+            return None
+        return (self.predicted_reserved_behind_bytes - self.measured_reserved_bytes) / self.measured_reserved_bytes
 
 
 def iter_rows(folder: Path) -> Iterator[dict]:
@@ -108,8 +126,22 @@ def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, int | None, str
         yield row["name"], job, row["peak_allocated_bytes"], row.get("peak_reserved_bytes"), row.get("peak_phase")
 
 
+def row_gpu(row: dict):
+    """The memplan.gpus preset of the GPU the row ran on (its environment's device name; the reference GPU when
+    it names none)."""
+    from .gpus import gpu_of_device
+
+    return gpu_of_device((row.get("env") or {}).get("gpu"))
+
+
+def shared_gpu(row: dict) -> bool:
+    """Whether other measuring processes shared the row's GPU (memplan.verify.batch records it; rows before it
+    did were all measured that way)."""
+    return bool((row.get("batch") or {}).get("shared_gpu", True))
+
+
 def compare_rows(rows) -> list[Comparison]:
-    """Estimate every successfully measured point of ``rows``."""
+    """Estimate every successfully measured point of ``rows`` (on the GPU each ran on)."""
     from .estimator import ledger_supported, quick_peak
 
     out = []
@@ -119,13 +151,15 @@ def compare_rows(rows) -> list[Comparison]:
         for name, job, measured, reserved, phase in _measured_points(row):
             never_stepped = row.get("skipped_steps", 0) >= row.get("steps", 3)
             q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped,
-                           skipped=skipped_steps(row))
+                           skipped=skipped_steps(row), gpu=row_gpu(row))
             out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase,
                                   split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop,
                                   measured_reserved_bytes=reserved, predicted_reserved_bytes=q.peak_reserved_bytes,
                                   model=LEDGER if ledger_supported(job) else PHASES,
                                   reserved_lower_bound=allocator_retried(row),
-                                  adapters=job.training.lora is not None))
+                                  reserved_upper_bound=(shared_gpu(row) and q.peak_reserved_behind_bytes is not None),
+                                  adapters=job.training.lora is not None,
+                                  predicted_reserved_behind_bytes=q.peak_reserved_behind_bytes))
     return out
 
 
@@ -146,7 +180,7 @@ def false_fits(rows) -> list[tuple[str, int, int]]:
         if row.get("status") != "oom" or not card:
             continue
         job = job_of_row(row)
-        q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated")
+        q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", gpu=row_gpu(row))
         if q.device_total_bytes <= card:
             out.append((row["name"], q.device_total_bytes, card))
     return out
@@ -187,6 +221,14 @@ def reserved_summary(comparisons: list[Comparison]) -> tuple[int, float, float, 
     return len(errs), statistics.median(abs(e) for e in errs), max(abs(e) for e in errs), max(0.0, -min(errs))
 
 
+def behind_summary(comparisons: list[Comparison]) -> tuple[int, float, float, float]:
+    """(points with a GPU-behind bound and a measured reserved, median error, worst over, worst under ≥ 0)."""
+    errs = [e for e in (c.behind_error for c in comparisons) if e is not None]
+    if not errs:
+        return 0, 0.0, 0.0, 0.0
+    return len(errs), statistics.median(errs), max(0.0, max(errs)), max(0.0, -min(errs))
+
+
 def by_group(comparisons: Iterable[Comparison], key: str) -> dict[str, tuple[int, float, float]]:
     """{split, loop or model: (points, median |error|, worst |error|)} of peak allocated; ``key``: "split",
     "loop" or "model"."""
@@ -219,6 +261,10 @@ def table_lines(comparisons: list[Comparison]) -> list[str]:
     n, rmed, rworst, under = reserved_summary(comparisons)
     lines.append(f"{len(comparisons)} points: median |error| {median:.2%}, worst {worst:.2%}; reserved ({n} "
                  f"points): median {rmed:.2%}, worst {rworst:.2%}, most under {under:.2%}")
+    n, bmed, bover, bunder = behind_summary(comparisons)
+    if n:
+        lines.append(f"GPU-behind bound of reserved (ZeRO-3's record_stream frees at the next synchronization, {n} "
+                     f"points): median {bmed:+.2%}, most over {bover:.2%}, most under {bunder:.2%}")
     for key in ("split", "loop", "model"):
         groups: dict[str, list[Comparison]] = {}
         for c in comparisons:

@@ -132,3 +132,22 @@ def resolve_gpu(text: str) -> GpuSpec:
             raise InputError("--gpu", f"{shorten(text)} {str(err).split(';')[0]}; {_allowed()}") from None
         return GpuSpec(name=str(text).strip(), memory_bytes=size, source="capacity given on the command line")
     raise InputError("--gpu", f"unknown GPU {shorten(str(text), 40)}; {_allowed()}")
+
+
+#: the GPU the timing constants were measured on and verify's rows were measured on (benchmarks/timing/,
+#: benchmarks/accuracy/): the GPU an estimate's timing assumes when none is named
+REFERENCE_GPU = "h200"
+
+
+def reference_gpu() -> GpuSpec:
+    """The preset of REFERENCE_GPU."""
+    return resolve_gpu(REFERENCE_GPU)
+
+
+def gpu_of_device(device_name: str | None) -> GpuSpec:
+    """The preset of a device as torch names it (``torch.cuda.get_device_name``: "NVIDIA H200", "NVIDIA H100 80GB
+    HBM3"), the reference GPU where none matches."""
+    key = _key(device_name or "")
+    family = [g for g in GPU_PRESETS if g.name.split("-")[0] in key]
+    sized = [g for g in family if "-" in g.name and g.name.split("-")[1].rstrip("g") + "gb" in key]
+    return (sized or family or [reference_gpu()])[0]

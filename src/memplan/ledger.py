@@ -12,7 +12,17 @@ structure, so predicted and measured compare event by event.
 
 Storage is columnar for speed (a 96-layer job is tens of thousands of events): tensor ``i`` is
 ``names[i]``, ``sizes[i]``, ``components[i]``, ``streams[i]``; ``events`` holds ``i`` for its allocation and
-``~i`` (negative) for its free. Pure: no torch, no numpy.
+``~i`` (negative) for its free. ``stream_used`` holds the tensors another stream used (``Tensor.record_stream``):
+the caching allocator reuses their blocks only once that stream has passed the use, so their frees complete
+when the GPU catches up, not when Python drops them (memplan.estimator.gpu_time).
+
+Work records say when that is: record ``k`` sits before ``events[work_at[k]]`` and is what the host did there —
+``work_cpu_s[k]`` seconds of Python and dispatch, then kernels of ``work_flops[k]`` operations and
+``work_bytes[k]`` bytes of memory traffic of kind ``work_kernel[k]`` (memplan.estimator.timing) queued on stream
+``work_stream[k]`` — or, where ``work_wait[k]`` is not NO_WAIT, a wait for record ``work_wait[k]``'s kernels (or,
+SYNC, for everything queued): by the host (an event's synchronize, torch.cuda.synchronize) or, with kernel kind
+STREAM_WAIT, by the compute stream (``stream.wait_stream``, ``wait_event``). The ledger keeps operations and bytes,
+not seconds: the GPU they run on is the timing pass's input. Pure: no torch, no numpy.
 """
 
 from __future__ import annotations
@@ -27,6 +37,12 @@ MIN_BLOCK_BYTES = 512
 #: mark kinds
 PHASE = "phase"
 EMPTY_CACHE = "empty_cache"
+
+#: Ledger.work_wait values: no wait (a work record), or a wait for the whole GPU (torch.cuda.synchronize,
+#: ``tensor.item()``); a value >= 0 waits for that work record's kernels (``event.synchronize()``)
+NO_WAIT, SYNC = -1, -2
+#: Ledger.work_kernel of a wait record: the host waits (HOST_WAIT) or the compute stream does (STREAM_WAIT)
+HOST_WAIT, STREAM_WAIT = -1, -2
 
 
 def block_bytes(nbytes: int) -> int:
@@ -48,7 +64,8 @@ class Mark:
 class Ledger:
     """Ordered allocation events of one rank (see the module docstring)."""
 
-    __slots__ = ("_live", "components", "events", "marks", "names", "sizes", "streams")
+    __slots__ = ("_live", "components", "events", "marks", "names", "sizes", "stream_used", "streams", "work_at",
+                 "mark_work", "work_bytes", "work_cpu_s", "work_flops", "work_kernel", "work_stream", "work_wait")
 
     def __init__(self) -> None:
         self.names: list[str] = []
@@ -57,6 +74,17 @@ class Ledger:
         self.streams: list[int] = []
         self.events: list[int] = []
         self.marks: list[Mark] = []
+        self.stream_used: set[int] = set()
+        self.work_at: list[int] = []
+        self.work_cpu_s: list[float] = []
+        self.work_flops: list[float] = []
+        self.work_bytes: list[int] = []
+        self.work_kernel: list[int] = []
+        self.work_stream: list[int] = []
+        self.work_wait: list[int] = []
+        #: per mark, the number of work records made before it (a mark and records at one event index keep their
+        #: order)
+        self.mark_work: list[int] = []
         self._live: set[int] = set()
 
     # -- building -------------------------------------------------------------------------------------
@@ -76,9 +104,43 @@ class Ledger:
         self._live.remove(tid)
         self.events.append(~tid)
 
+    def record_stream(self, tid: int, stream: int) -> None:
+        """``tensor.record_stream(stream)`` on tensor ``tid``: once freed, its block is reused only after
+        ``stream`` has passed this point (CUDACachingAllocator's recordStream, insert_events, process_events); a
+        use on the stream it was allocated on is ignored there, and here."""
+        if stream != self.streams[tid]:
+            self.stream_used.add(tid)
+
+    def work(self, cpu_s: float, flops: float = 0.0, nbytes: int = 0, kernel: int = 0, stream: int = 0) -> int:
+        """The host spends ``cpu_s`` here, then queues kernels of ``flops`` operations and ``nbytes`` bytes of
+        memory traffic of ``kernel`` kind (timing.MEMORY, GEMM …) on ``stream``; returns the record's index (a
+        point on that stream's queue that ``wait`` can name: an event recorded after its kernels)."""
+        return self._record(cpu_s, flops, nbytes, kernel, NO_WAIT, stream)
+
+    def wait(self, record: int, cpu_s: float = 0.0) -> None:
+        """The host waits until work record ``record``'s kernels have run (``event.synchronize()`` on an event
+        recorded after them); ``record`` SYNC waits for everything queued (``torch.cuda.synchronize()``)."""
+        self._record(cpu_s, 0.0, 0, HOST_WAIT, record, 0)
+
+    def stream_wait(self, record: int) -> None:
+        """The compute stream runs nothing queued after this until work record ``record`` (on another stream)
+        has run (``current_stream().wait_stream(other)``); the host does not wait."""
+        self._record(0.0, 0.0, 0, STREAM_WAIT, record, 0)
+
+    def _record(self, cpu_s: float, flops: float, nbytes: int, kernel: int, wait: int, stream: int) -> int:
+        self.work_at.append(len(self.events))
+        self.work_cpu_s.append(cpu_s)
+        self.work_flops.append(flops)
+        self.work_bytes.append(nbytes)
+        self.work_kernel.append(kernel)
+        self.work_stream.append(stream)
+        self.work_wait.append(wait)
+        return len(self.work_at) - 1
+
     def mark(self, label: str, kind: str = PHASE) -> None:
         """Label what follows: a phase's start, or (kind EMPTY_CACHE) torch.cuda.empty_cache()."""
         self.marks.append(Mark(len(self.events), label, kind))
+        self.mark_work.append(len(self.work_at))
 
     def live(self) -> frozenset[int]:
         """Ids of the tensors allocated and not yet freed, at the end of the ledger so far."""

@@ -24,7 +24,9 @@ def component_bytes(est: Estimate) -> dict[str, int]:
 def estimate_json(est: Estimate) -> dict[str, Any]:
     """The object `memplan estimate --json` prints (and `memplan check --json` embeds). Bytes are integers.
 
-    Keys: peak_allocated_bytes, peak_reserved_bytes, device_total_bytes, non_torch_bytes, components
+    Keys: peak_allocated_bytes, peak_reserved_bytes, device_total_bytes, peak_reserved_gpu_behind_bytes and
+    device_total_gpu_behind_bytes (null unless DeepSpeed frees with record_stream: ZeRO-3; the bound on a GPU a
+    whole phase behind, which the verdicts do not use), non_torch_bytes, components
     (name → bytes at the peak), component_details (name, bytes, detail per part), peak_phase, timeline
     (phase → allocated bytes), host_bytes_per_node, nvme_bytes_per_node, target_bytes, gpu_name, gpu_bytes,
     fits_target, fits_gpu, notes, trainable_params and frozen_params (issue 14: LoRA adapters and --freeze;
@@ -40,6 +42,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "peak_allocated_bytes": est.peak_allocated_bytes,
         "peak_reserved_bytes": est.peak_reserved_bytes,
         "device_total_bytes": est.device_total_bytes,
+        "peak_reserved_gpu_behind_bytes": est.peak_reserved_gpu_behind_bytes,
+        "device_total_gpu_behind_bytes": est.device_total_gpu_behind_bytes,
         "non_torch_bytes": est.non_torch_bytes,
         "peak_phase": est.peak_phase,
         "components": component_bytes(est),
@@ -109,6 +113,10 @@ def render_estimate(est: Estimate, console=None) -> None:
         f"peak phase: {est.peak_phase}",
         (f"peak allocated {fmt_gib(peak)} · peak reserved {fmt_gib(est.peak_reserved_bytes)} · device total "
          f"{fmt_gib(est.device_total_bytes)} (reserved + {fmt_gib(est.non_torch_bytes)} CUDA context, NCCL)"),
+        *([] if est.peak_reserved_gpu_behind_bytes is None else [
+            f"on a GPU a whole phase behind the host (shared, slower): peak reserved up to "
+            f"{fmt_gib(est.peak_reserved_gpu_behind_bytes)} · device total {fmt_gib(est.device_total_gpu_behind_bytes)} "
+            f"(ZeRO-3's record_stream frees wait for the next synchronization)"]),
         (f"per node: host RAM {fmt_gib(est.host_bytes_per_node)} (offload, pinned) · NVMe "
          f"{fmt_gib(est.nvme_bytes_per_node)}"),
     ]

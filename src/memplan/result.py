@@ -42,6 +42,11 @@ class Estimate(_Frozen):
     components: tuple[Part, ...] = Field(description="the breakdown at the peak; sums to peak_allocated_bytes")
     timeline: tuple[Phase, ...] = Field(description="allocated bytes at each modelled moment of a step")
     peak_reserved_bytes: int = Field(ge=0, description="predicted torch.cuda.max_memory_reserved")
+    peak_reserved_gpu_behind_bytes: int | None = Field(
+        None, ge=0, description="peak reserved if the GPU falls a whole phase behind the host, so that DeepSpeed's "
+        "record_stream frees (ZeRO-3) wait for the next synchronization (estimator.gpu_behind): the bound of a GPU "
+        "slower or busier than the one timed (a shared GPU); None where no tensor is freed that way. The verdicts "
+        "use peak_reserved_bytes, which times the frees on the job's GPU (estimator.gpu_time)")
     non_torch_bytes: int = Field(ge=0, description="CUDA context, NCCL buffers and workspaces torch does not see")
     host_bytes_per_node: int = Field(ge=0, description="pinned host RAM for offload, per node")
     nvme_bytes_per_node: int = Field(ge=0, description="NVMe bytes for offload, per node")
@@ -60,6 +65,13 @@ class Estimate(_Frozen):
     def device_total_bytes(self) -> int:
         """What the device would show in use: reserved plus what torch does not see."""
         return self.peak_reserved_bytes + self.non_torch_bytes
+
+    @computed_field
+    @property
+    def device_total_gpu_behind_bytes(self) -> int | None:
+        """The device total with peak_reserved_gpu_behind_bytes (None where that is None)."""
+        behind = self.peak_reserved_gpu_behind_bytes
+        return None if behind is None else behind + self.non_torch_bytes
 
     @computed_field
     @property

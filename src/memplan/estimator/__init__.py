@@ -21,6 +21,8 @@ class QuickPeak(NamedTuple):
     host_bytes_per_node: int
     nvme_bytes_per_node: int
     peak_phase: str
+    #: peak reserved with the GPU a whole phase behind (estimator.gpu_behind); None: no record_stream frees
+    peak_reserved_behind_bytes: int | None = None
 
 
 def _ranks_per_node(job: Job) -> int:
@@ -121,9 +123,10 @@ def ledger_steps(skipped=(), config=None) -> int:
     return 3 if tuple(skipped) or unsteady else 2
 
 
-def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int | None = None):
+def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int | None = None, gpu=None):
     """The job's ledger replayed and summarized (estimator.summary.LedgerSummary): built with its gradient
-    accumulation folded where that is exact (estimator/fold.py), whole otherwise."""
+    accumulation folded where that is exact (estimator/fold.py), whole otherwise; timed on ``gpu`` (a
+    memplan.gpus.GpuSpec, the reference GPU when None: estimator.gpu_time)."""
     from .fold import folded
     from .program import build_ledger
     from .summary import allocator_config, summarize
@@ -133,12 +136,12 @@ def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int 
     if job.layout.pp > 1:  # the first and the last stage, each as verify emulates it; the most loaded one's
         from .pipeline import PIPELINE_STEPS, build_pipeline_ledger
 
-        return max((summarize(job, build_pipeline_ledger(job, k, PIPELINE_STEPS, skipped), card_bytes, timeline)
-                    for k in (0, job.layout.pp - 1)), key=lambda x: x.peak_allocated_bytes)
+        return max((summarize(job, build_pipeline_ledger(job, k, PIPELINE_STEPS, skipped), card_bytes, timeline,
+                              gpu=gpu) for k in (0, job.layout.pp - 1)), key=lambda x: x.peak_allocated_bytes)
     short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, tuple(skipped), config)
     if short is None:
-        return summarize(job, build_ledger(job, steps=steps, skipped=skipped), card_bytes, timeline)
-    return summarize(job, short[0], card_bytes, timeline, sim=short[1])
+        return summarize(job, build_ledger(job, steps=steps, skipped=skipped), card_bytes, timeline, gpu=gpu)
+    return summarize(job, short[0], card_bytes, timeline, sim=short[1], gpu=gpu)
 
 
 def ledger_trace(job: Job) -> dict | None:
@@ -176,22 +179,24 @@ def ledger_trace(job: Job) -> dict | None:
     return trace
 
 
-def _ledger_quick(job: Job, skipped) -> QuickPeak:
-    s = ledger_summary(job, skipped, timeline=False)
+def _ledger_quick(job: Job, skipped, gpu=None) -> QuickPeak:
+    s = ledger_summary(job, skipped, timeline=False, gpu=gpu)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return QuickPeak(s.peak_allocated_bytes, s.peak_reserved_bytes, s.peak_reserved_bytes + non_torch_bytes(job),
-                     st.host_bytes * rpn, st.nvme_bytes * rpn, s.peak_phase)
+                     st.host_bytes * rpn, st.nvme_bytes * rpn, s.peak_phase, s.peak_reserved_behind_bytes)
 
 
-def quick_peak(job: Job, rank0: bool = False, stepped: bool = True, skipped=None) -> QuickPeak:
+def quick_peak(job: Job, rank0: bool = False, stepped: bool = True, skipped=None, gpu=None) -> QuickPeak:
     """Peak allocated, reserved, device total, host and NVMe per node, and the peak phase.
 
     ``rank0``: rank 0's figures instead of the most loaded rank's (what an emulated verify measures);
     ``stepped=False``: before the first successful optimizer step (see build_phases); ``skipped``: the indices
-    of the measured steps the fp16 loss scaler skipped (the ledger models them)."""
+    of the measured steps the fp16 loss scaler skipped (the ledger models them); ``gpu``: the GPU it runs on (a
+    memplan.gpus.GpuSpec; None: the reference GPU), which sets how far it runs behind the host
+    (estimator.gpu_time)."""
     if ledger_supported(job):
-        return _ledger_quick(job, (() if stepped else range(3)) if skipped is None else skipped)
+        return _ledger_quick(job, (() if stepped else range(3)) if skipped is None else skipped, gpu)
     return _summary(job, build_phases(job, rank0, stepped))
 
 
@@ -227,10 +232,10 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
         notes += megatron_notes(job)
     if z.stage == 3 and in_ledger:
         notes.append("ZeRO-3: DeepSpeed frees gathered parameters and reduced gradients with record_stream, so the "
-                     "caching allocator reuses them only once the GPU has caught up; this figure reuses them at once. "
-                     "Where the GPU falls behind the CPU (wide layers, long sequences, fp32, a shared GPU) torch "
-                     "reserved up to 1.7 times this figure (benchmarks/accuracy/README.md: ZeRO-3 jobs run alone); "
-                     "allocated memory is not affected")
+                     "caching allocator reuses them only once the GPU has caught up. Peak reserved assumes it keeps "
+                     "up; where the GPU falls behind the CPU (wide layers, long sequences, fp32, a shared GPU) torch "
+                     "reserves more, up to the GPU-behind figure (the frees waiting for the next synchronization), "
+                     "which the verdicts use. Allocated memory is not affected")
     if "nvme" in (z.offload_optimizer, z.offload_param):
         notes.append("NVMe offload is modelled from DeepSpeed's code but not measured (no NVMe rows)")
     if t.checkpointing == "selective":
@@ -266,22 +271,23 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _ledger_estimate(job: Job) -> Estimate:
-    s = ledger_summary(job)
+def _ledger_estimate(job: Job, gpu=None) -> Estimate:
+    s = ledger_summary(job, gpu=gpu)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return Estimate(
         job=job, peak_phase=s.peak_phase, components=s.components, timeline=s.timeline,
-        peak_reserved_bytes=s.peak_reserved_bytes, non_torch_bytes=non_torch_bytes(job),
-        host_bytes_per_node=st.host_bytes * rpn, nvme_bytes_per_node=st.nvme_bytes * rpn,
+        peak_reserved_bytes=s.peak_reserved_bytes, peak_reserved_gpu_behind_bytes=s.peak_reserved_behind_bytes,
+        non_torch_bytes=non_torch_bytes(job), host_bytes_per_node=st.host_bytes * rpn, nvme_bytes_per_node=st.nvme_bytes * rpn,
         notes=measurement_notes(job),
     )
 
 
-def estimate_job(job: Job) -> Estimate:
-    """The full typed estimate: the breakdown at the peak and the timeline of phases."""
+def estimate_job(job: Job, gpu=None) -> Estimate:
+    """The full typed estimate: the breakdown at the peak and the timeline of phases; ``gpu`` (a
+    memplan.gpus.GpuSpec, the reference GPU when None) is the GPU the job runs on (estimator.gpu_time)."""
     if ledger_supported(job):
-        return _ledger_estimate(job)
+        return _ledger_estimate(job, gpu)
     phases = build_phases(job)
     q = _summary(job, phases)
     timeline = tuple(

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ..ledger import Ledger
 from .autograd_engine import BackwardEngine, _Ctx
+from .timing import BACKWARD_RATIO, CPU_OP_S, GEMM, MEMORY
 
 
 class Storage:
@@ -49,8 +50,8 @@ class Node:
     SplitBackward0, a list with one entry per output, None where none arrived) and returns one gradient per
     entry of ``inputs`` (None for inputs that need none); it allocates through ctx."""
 
-    __slots__ = ("backward", "inputs", "n_out", "name", "reduce_staging", "region", "saved", "seq", "unpacked",
-                 "would_save")
+    __slots__ = ("backward", "cost", "inputs", "n_out", "name", "reduce_staging", "region", "saved", "seq",
+                 "unpacked", "would_save")
 
     def __init__(self, name: str, inputs: tuple, saved: tuple, backward: Callable, seq: int, n_out: int = 1):
         self.name, self.inputs, self.saved, self.backward, self.seq = name, inputs, saved, backward, seq
@@ -59,6 +60,7 @@ class Node:
         self.would_save = bool(saved)  # saved something, or would have outside a checkpointed forward
         self.unpacked = False  # its saved tensors came from a checkpoint's recompute: apply's locals own them
         self.reduce_staging = None  # input index → CUDA reduction staging bytes (blocks_linear.py, cuda_reduce.py)
+        self.cost: tuple[float, int, int] | None = None  # its backward's (operations, bytes, kernel): timing.py
 
 
 class Autograd(BackwardEngine):
@@ -68,6 +70,10 @@ class Autograd(BackwardEngine):
                  on_param_grad: Callable[[Tensor, Tensor], None] | None = None):
         self.ledger = ledger
         self.component = component
+        #: bytes per element of the training dtype and the kernel kind its matrix products run as (timing.GEMM, or
+        #: GEMM_FP32 in fp32): what an op's operations are counted and timed with (program.build_ledger sets both)
+        self.elem_bytes = 2
+        self.gemm_kernel = GEMM
         self.nodes: list[Node] = []
         self.grad_enabled = True
         self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
@@ -206,18 +212,27 @@ class Autograd(BackwardEngine):
         return outs
 
     def op(self, name: str, out_bytes: int, inputs: tuple, saved: tuple = (), backward: Callable | None = None,
-           component: str | None = None) -> Tensor:
+           component: str | None = None, flops: float = 0.0, kernel: int | None = None,
+           backward_ratio: float = BACKWARD_RATIO) -> Tensor:
         """An op with a fresh output of ``out_bytes``: records its node when grad mode is on and an input
         requires grad. ``saved`` are the tensors autograd keeps for backward (the output may be among them:
-        pass the string "out")."""
+        pass the string "out"). Its time (timing.py): ``flops`` operations of ``kernel`` (default: the training
+        dtype's matrix product when there are operations, else a memory-bound kernel over the inputs and the
+        output); its backward ``backward_ratio`` times that."""
         needs = self.grad_enabled and any(t.requires_grad for t in inputs)
         last = needs and self.stop_at is not None and len(self.nodes) == self.stop_at
         if last and "out" not in saved:  # the recompute stops once this op packs its inputs
             self.suppress = True
         out = self.empty(name, out_bytes, needs, component)
+        if not self.suppress:
+            nbytes = out_bytes + sum(t.nbytes for t in inputs)
+            kind = kernel if kernel is not None else self.gemm_kernel if flops else MEMORY
+            self.ledger.work(CPU_OP_S, flops, nbytes, kind)
         if needs:
             saved_t = tuple(out if s == "out" else s for s in saved)
             out.node = self._node(name, inputs, saved_t, backward or _elementwise_grads)
+            if not self.suppress:
+                out.node.cost = (flops * backward_ratio, int(nbytes * backward_ratio), kind)
         if last:
             self.suppress = True
         return out

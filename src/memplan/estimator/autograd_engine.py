@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .timing import CPU_NODE_S
+
 if TYPE_CHECKING:
     from .autograd import Autograd, Node, Tensor
 
@@ -58,6 +60,11 @@ class BackwardEngine:
                 node.region.recompute()
             ctx = _Ctx(self)
             outs = node.backward(ctx, grad, node)
+            cost = node.cost  # its kernels, queued once its grads are allocated (timing.py)
+            if cost is None:
+                self.ledger.work(CPU_NODE_S)
+            else:
+                self.ledger.work(CPU_NODE_S, cost[0], cost[1], cost[2])
             if isinstance(outs, tuple):  # a kernel's grad for an input that needs none (sdpa computes q, k
                 # and v's together) dies with its result tuple inside apply, before the unpacked saved variables
                 outs = self._drop_unneeded(node, outs, grad)

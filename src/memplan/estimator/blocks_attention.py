@@ -188,7 +188,7 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     kr = repeat_kv(ag, k, n_rep, f"{name}.k_repeated")
     vr = repeat_kv(ag, v, n_rep, f"{name}.v_repeated")
     scores = BL.matmul(ag, q, kr, g.scores(), f"{name}.scores", copy_a=_folds_copy(q_bshd, g),
-                      copy_c=_folds_copy(n_rep == 1 and k_bshd, g))
+                      copy_c=_folds_copy(n_rep == 1 and k_bshd, g), batch=g.batch * g.heads, elem_bytes=g.b)
     scaled = B.scale(ag, scores, f"{name}.scaled")
     ag.release(scores)
     if softcap:
@@ -206,7 +206,7 @@ def eager_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     ag.release(probs)
     # attn_output.transpose(1, 2).contiguous() below hands the matmul's _unsafe_view a transposed grad
     out = BL.matmul(ag, dropped, vr, g.v_bytes(), f"{name}.out", copy_c=_folds_copy(n_rep == 1 and v_bshd, g),
-                   grad_copy=_folds_copy(True, g))
+                   grad_copy=_folds_copy(True, g), batch=g.batch * g.heads, elem_bytes=g.b)
     o = B.clone(ag, out, f"{name}.out_contiguous")
     ag.release(out)
     for t in (kr, vr):  # the function returns (attn_output, attn_weights): the other locals die

@@ -24,6 +24,13 @@ from .blocks_attention import (
     _folds_copy,
     repeat_kv,
 )
+from .timing import ATTENTION, ATTENTION_BACKWARD_RATIO, attention_flops
+
+
+def _fused(g: Geometry) -> dict:
+    """A fused attention kernel's time (timing.py): causal softmax(q·kᵀ)·v over the call's geometry."""
+    return {"flops": attention_flops(g.batch, g.heads, g.seq, g.seq, g.head_dim, g.dv), "kernel": ATTENTION,
+            "backward_ratio": ATTENTION_BACKWARD_RATIO}
 
 
 def _lse_name(ag, name: str) -> str:
@@ -74,7 +81,7 @@ def flash_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
             ctx.free(t)
         return (dq, dk, dv)
 
-    out = ag.op(f"{name}.out", out_bytes, (q, k, v), (k, q, v), backward)
+    out = ag.op(f"{name}.out", out_bytes, (q, k, v), (k, q, v), backward, **_fused(g))
     lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
     ag.keep(out, lse)
     ag.keep(out, out)
@@ -151,7 +158,7 @@ def efficient_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
         return (dq, dk, dv)
 
     saved = (bias, k, q, v) if bias is not None else (k, q, v)
-    out = ag.op(f"{name}.out", out_bytes, (q, k, v), saved, backward)
+    out = ag.op(f"{name}.out", out_bytes, (q, k, v), saved, backward, **_fused(g))
     lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * s32)
     ag.keep(out, lse)
     ag.keep(out, out)
@@ -203,7 +210,7 @@ def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     seed = ag.empty(f"{name}.philox_seed{suffix}", 8)
     offset = ag.empty(f"{name}.philox_offset{suffix}", 8)
     saved = (mask, k, q, v) if mask is not None else (k, q, v)
-    out = ag.op(f"{name}.out", g.v_bytes(), (q, k, v), saved, backward)
+    out = ag.op(f"{name}.out", g.v_bytes(), (q, k, v), saved, backward, **_fused(g))
     lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
     ag.release(ag.empty(f"{name}.workspace.tmp", CUDNN_FWD_WORKSPACE_BYTES))
     for t in (out, lse, seed, offset):
@@ -263,7 +270,7 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     vr = repeat_kv(ag, v32, n_rep, f"{name}.v_repeated")
     ks = B.scale(ag, kr, f"{name}.k_scaled")
     scores = BL.matmul(ag, qs, ks, g.scores(FP32), f"{name}.scores", copy_a=_folds_copy(bshd[0], g),
-                      copy_c=_folds_copy(n_rep == 1 and bshd[1], g))
+                      copy_c=_folds_copy(n_rep == 1 and bshd[1], g), batch=g.batch * g.heads, elem_bytes=FP32)
     ag.release(ks)
     if mask is not None and g.b != FP32:  # attn.add_(mask): the 16-bit mask cast to fp32 for the add
         ag.release(ag.empty(f"{name}.mask_fp32", FP32 * mask.nbytes // g.b))
@@ -274,7 +281,8 @@ def math_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g:
     probs_out = B.to_dtype(ag, dropped, g.scores(), f"{name}.probs_out")
     # the output goes through transpose(1, 2).contiguous(): its reshape's backward sees a transposed grad
     o32 = BL.matmul(ag, dropped, vr, g.v_bytes(b=FP32), f"{name}.out_fp32",
-                   copy_c=_folds_copy(n_rep == 1 and bshd[2], g), grad_copy=_folds_copy(True, g))
+                   copy_c=_folds_copy(n_rep == 1 and bshd[2], g), grad_copy=_folds_copy(True, g),
+                   batch=g.batch * g.heads, elem_bytes=FP32)
     out = B.to_dtype(ag, o32, g.v_bytes(), f"{name}.out")
     ag.release(o32)
     for t in (dropped, vr, kr, qs, fmask, v32, k32, q32, probs_out):

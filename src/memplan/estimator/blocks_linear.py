@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from . import blocks as B
 from .autograd import Autograd, Tensor, _Ctx
+from .timing import GEMM_FP32, gemm_flops
+
+FP32_BYTES = 4
 
 
 def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None,
@@ -63,7 +66,7 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
     if ag.before_matmul is not None:  # the first cuBLAS call creates its handle's workspaces
         hook, ag.before_matmul = ag.before_matmul, None
         hook()
-    out = ag.op(name, out_bytes, inputs, saved, backward)
+    out = ag.op(name, out_bytes, inputs, saved, backward, flops=gemm_flops(in_bytes, w_bytes, out_bytes, ag.elem_bytes))
     if bias is not None and bias.requires_grad and cuda_bytes and out.node is not None:
         from .cuda_reduce import sum_rows_staging
 
@@ -73,14 +76,15 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
 
 
 def matmul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str, copy_a: bool = False,
-           copy_c: bool = False, grad_copy: bool = False) -> Tensor:
+           copy_c: bool = False, grad_copy: bool = False, batch: int = 1, elem_bytes: int | None = None) -> Tensor:
     """torch.matmul of two 4-D tensors [B, h, n, m] @ [B, h, m, p] (aten _matmul_impl): each operand is
     expanded (a no-op) and reshaped to [B·h, n, m], which copies an operand whose memory is not [B·h] rows
     (``copy_a`` / ``copy_c``: clone, CloneBackward0 passes the grad through), then bmm and _unsafe_view.
     BmmBackward0 saves the operand each grad needs (self for mat2's, mat2 for self's) and computes, in the
     sorted order of its input names, mat2's grad self^T·grad [B·h, m, p] then self's grad·mat2^T
     [B·h, n, m] (derivatives.yaml bmm), each reaching its operand as a view. UnsafeViewBackward0 reshapes
-    the incoming grad to [B·h, n, p]: a copy when that grad is a transposed view (``grad_copy``)."""
+    the incoming grad to [B·h, n, p]: a copy when that grad is a transposed view (``grad_copy``). ``batch``: B·h,
+    ``elem_bytes``: the operands' element size (default the training dtype's), for the operations it counts."""
     a2 = B.clone(ag, a, f"{name}.self") if copy_a else ag.ref(a)
     c2 = B.clone(ag, c, f"{name}.mat2") if copy_c else ag.ref(c)
 
@@ -90,7 +94,9 @@ def matmul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str, copy_a
         return (ga, gc)
 
     saved = tuple(t for t, other in ((c2, a2), (a2, c2)) if other.requires_grad)  # sorted: mat2, self
-    out = ag.op(name, out_bytes, (a2, c2), saved, backward)
+    e = elem_bytes or ag.elem_bytes
+    out = ag.op(name, out_bytes, (a2, c2), saved, backward, flops=gemm_flops(a2.nbytes, c2.nbytes, out_bytes, e, batch),
+                kernel=GEMM_FP32 if e == FP32_BYTES else None)
     ag.release(c2)  # _matmul_impl's locals die last declared first: the reshaped mat2, then self
     ag.release(a2)
     if grad_copy and out.node is not None:

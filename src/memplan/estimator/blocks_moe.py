@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .autograd import Autograd, Tensor, _Ctx
 from .blocks import FP32
+from .timing import gemm_flops
 
 INT64, INT32 = 8, 4
 
@@ -91,11 +92,13 @@ def index_rows(ag: Autograd, net, x: Tensor, index: Tensor, rows: int, row_bytes
     return ag.op(name, rows * row_bytes, (x,), (index,), backward)
 
 
-def grouped_mm(ag: Autograd, x: Tensor, weight: Tensor, offs: Tensor, out_bytes: int, name: str) -> Tensor:
+def grouped_mm(ag: Autograd, x: Tensor, weight: Tensor, offs: Tensor, out_bytes: int, name: str,
+               experts: int = 1) -> Tensor:
     """torch.nn.functional.grouped_mm(x [S, in], weight^T [E, in, out], offs) → [S, out]. GroupedMmBackward0
     saves mat2 (the weight), offs and self (x), released in that sorted order; its backward computes mat2's
     grad [E, in, out] (reaching the parameter through TransposeBackward0, a view) then self's [S, in]
-    (_grouped_mm_mat2_backward / _grouped_mm_mat1_backward, derivatives.yaml _grouped_mm)."""
+    (_grouped_mm_mat2_backward / _grouped_mm_mat1_backward, derivatives.yaml _grouped_mm). ``experts``: E (each row
+    meets one expert's [in, out]: 2·S·in·out operations)."""
     def backward(ctx: _Ctx, grad: Tensor, node):
         gw = ctx.new(f"grad.{name}.weight", weight.nbytes, view=True) if weight.requires_grad else None
         gx = ctx.new(f"grad.{name}.input", x.nbytes) if x.requires_grad else None
@@ -105,7 +108,8 @@ def grouped_mm(ag: Autograd, x: Tensor, weight: Tensor, offs: Tensor, out_bytes:
     if x.requires_grad and weight.param is not None and ag.saving and ag.grad_enabled:
         # transformers' _grouped_linear passes weight.transpose(-2, -1) (is_transposed False): a view is saved
         ag.saved_param_views.add(weight.param)
-    return ag.op(name, out_bytes, (x, weight), saved, backward)
+    return ag.op(name, out_bytes, (x, weight), saved, backward,
+                 flops=gemm_flops(x.nbytes, weight.nbytes, out_bytes, ag.elem_bytes, experts))
 
 
 def chunk2(ag: Autograd, x: Tensor, name: str) -> tuple[Tensor, Tensor]:

@@ -33,6 +33,7 @@ from .optim import Optimizer
 from .peft_linear import adapter_tensors, build_adapters, cast_adapters
 from .places import Places
 from .states import fp32_accumulation, picks_bf16_optimizer
+from .timing import GEMM, GEMM_FP32
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
 from .zero3 import Zero3
@@ -160,6 +161,8 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
 
     ag = Autograd(L, on_param_grad=on_param_grad)
     ag.backward_matmul = workspace  # the autograd engine thread's own cuBLAS handle
+    ag.elem_bytes = dtype_bytes(t.dtype)
+    ag.gemm_kernel = GEMM_FP32 if t.dtype == "fp32" else GEMM
     if isinstance(engine, Zero3):
         def saved_param_release(name: str) -> None:  # the node that saved the parameter released it
             engine.free_retained(name)

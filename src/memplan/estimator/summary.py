@@ -30,6 +30,12 @@ class LedgerSummary:
     timeline: tuple[Phase, ...]  # each phase's live set at its own peak
     num_alloc_retries: int
     oom_event: int | None
+    #: peak reserved with the GPU a whole phase behind the CPU (estimator.gpu_behind): None where no tensor is
+    #: freed with record_stream, so peak_reserved_bytes is the bound too
+    peak_reserved_behind_bytes: int | None = None
+    #: peak reserved if the GPU kept up with every deferred free (the plain ledger's replay); None where no tensor
+    #: is freed with record_stream (then it is peak_reserved_bytes)
+    peak_reserved_keep_up_bytes: int | None = None
 
 
 def allocator_config(job: Job, card_bytes: int | None = None):
@@ -66,21 +72,58 @@ def _counted(L: Ledger, live: list[int], counted_bytes: int) -> tuple[Part, ...]
 
 
 def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool = True,
-              sim=None) -> LedgerSummary:
+              sim=None, gpu=None) -> LedgerSummary:
     """Replay ``L`` and read its peaks (see the module docstring). Peak allocated is the simulator's
     torch.cuda.max_memory_allocated (a large-pool block left unsplit counts whole, as in torch's counter); the
-    breakdown is the live set where the ledger's own count peaks in that phase. ``sim``: ``L`` already replayed
-    (with the same settings)."""
+    breakdown is the live set where the ledger's own count peaks in that phase. Peak reserved is the replay of
+    the ledger as the GPU's progress completes its deferred frees (estimator.gpu_time, on ``gpu``, a
+    memplan.gpus.GpuSpec: the reference GPU when None). ``sim``: ``L`` already replayed (with the same
+    settings)."""
     from ..allocator import simulate
 
-    sim = sim or simulate(L, allocator_config(job, card_bytes))
+    config = allocator_config(job, card_bytes)
+    sim = sim or simulate(L, config)
     train = [p for p in sim.phases if p.label != INIT] or list(sim.phases)
     at_of = {label: at for label, _a, _z, _peak, at in L.phase_peaks()}
     best = max(train, key=lambda p: p.peak_allocated_bytes)
     live = L.live_sets([at_of[p.label] for p in train] if timeline else [at_of[best.label]])
     phases = tuple(Phase(name=p.label, parts=_counted(L, live[at_of[p.label]], p.peak_allocated_bytes))
                    for p in train) if timeline else ()
-    reserved = max(p.peak_reserved_bytes for p in train)
+    keep_up = max(p.peak_reserved_bytes for p in train)
+    reserved, after = keep_up, sim
+    late = timed_replay(L, config, gpu)
+    if late is not None:
+        reserved = max(keep_up, _training_reserved(late))
+        after = late
     return LedgerSummary(best.peak_allocated_bytes, best.label, at_of[best.label], reserved,
                          _counted(L, live[at_of[best.label]], best.peak_allocated_bytes), phases,
-                         sim.num_alloc_retries, None if sim.oom is None else sim.oom.event)
+                         after.num_alloc_retries, None if after.oom is None else after.oom.event,
+                         behind_reserved(job, L, reserved), None if late is None else keep_up)
+
+
+def _training_reserved(sim) -> int:
+    train = [p for p in sim.phases if p.label != INIT] or list(sim.phases)
+    return max(p.peak_reserved_bytes for p in train)
+
+
+def timed_replay(L: Ledger, config, gpu=None):
+    """The replay of ``L`` with its deferred frees where ``gpu``'s progress completes them (estimator.gpu_time);
+    None where nothing is freed with record_stream."""
+    from ..allocator import simulate
+    from ..gpus import reference_gpu
+    from .gpu_time import GpuRates, timed
+
+    late = timed(L, GpuRates.of(gpu or reference_gpu()))
+    return None if late is None else simulate(late, config)
+
+
+def behind_reserved(job: Job, L: Ledger, reserved: int) -> int | None:
+    """Peak reserved of the training phases with the GPU a whole phase behind (estimator.gpu_behind), never below
+    ``reserved`` (the plain replay's); None where the ledger frees nothing with record_stream."""
+    from ..allocator import simulate
+    from .gpu_behind import gpu_behind
+
+    late = gpu_behind(L)
+    if late is None:
+        return None
+    return max(reserved, _training_reserved(simulate(late, allocator_config(job))))

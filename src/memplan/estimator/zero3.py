@@ -41,10 +41,13 @@ parameters are gathered again (_post_step).
 
 from __future__ import annotations
 
+from collections import deque
+
 from ..ledger import EMPTY_CACHE
 from .autograd import Autograd, Tensor
 from .optim import Optimizer
 from .places import Places
+from .timing import CPU_Z3_GRAD_S, CPU_Z3_REDUCE_S, MEMORY
 from .zero3_params import Zero3Params
 
 #: the optimizer's reduce_and_partition_stream (a new CUDA stream)
@@ -52,6 +55,9 @@ REDUCE_STREAM = 1
 FP32, FP64 = 4, 8
 #: _constant_buffered_norm2's default buffer_size (elements per fp64 piece)
 NORM_PIECE_ELEMENTS = 250_000_000
+#: __reduce_and_partition_ipg_grads synchronizes the oldest reduce event once more than this many are pending
+#: (stage3.py max_param_reduce_events)
+MAX_PARAM_REDUCE_EVENTS = 2
 
 
 def sub_groups(numels: list[int], size: int) -> list[int]:
@@ -90,6 +96,8 @@ class Zero3(Zero3Params):
         self.epilogue_ran = False
         self.leaf_params: set[str] = set()  # parameters of leaf modules (grads reduced by the module's hook)
         self.leaf_grads: dict[str, tuple[Tensor, Tensor]] = {}  # param.grad waiting for that hook
+        #: param_reduce_events: the work record after each bucket's reduction (its event), oldest first
+        self.reduce_events: deque[int] = deque()
 
     # -- initialize -----------------------------------------------------------------------------------------
     def initialize(self, param_ids: dict[str, int]) -> None:
@@ -188,6 +196,11 @@ class Zero3(Zero3Params):
         if self.bucket_elements + numel > self.rbs and self.bucket_elements > 0:
             self.reduce_bucket(ag)
         if self.contiguous and self.bucket_elements + numel <= self.rbs:
+            # __add_grad_to_ipg_bucket: the reduce stream waits for the compute stream, copies the grad into the
+            # bucket (in the communication dtype) and records it: param.grad.record_stream(the reduce stream)
+            self.L.work(CPU_Z3_GRAD_S, 0.0, grad.nbytes + self.comm_b * numel, MEMORY)
+            if grad.storage is not None:
+                self.L.record_stream(grad.storage.tid, REDUCE_STREAM)
             ag.release(grad)  # copied into the bucket; param.grad views it
             self.bucket_params.append((name, None))
         else:
@@ -199,6 +212,8 @@ class Zero3(Zero3Params):
         if not self.bucket_params:
             return
         L, s = self.L, REDUCE_STREAM
+        if len(self.reduce_events) > MAX_PARAM_REDUCE_EVENTS:  # param_reduce_events.popleft().synchronize()
+            L.wait(self.reduce_events.popleft())
         bucket = sorted(self.bucket_params, key=lambda kv: self.rank_of[kv[0]])
         self.bucket_params, self.bucket_elements = [], 0
         casts = []
@@ -230,6 +245,9 @@ class Zero3(Zero3Params):
             L.free(flat)
         if holds_grad and bucket[0][1] is not None:
             ag.release(bucket[0][1])
+        # the reduction's kernels (the flat's copy and the partitions' adds), then its event
+        moved = sum(self.comm_b * self.part[k] * self.n + 2 * self.g * self.part[k] for k, _ in bucket)
+        self.reduce_events.append(L.work(CPU_Z3_REDUCE_S, 0.0, moved, MEMORY))
 
     def _partition_grads(self, ag: Autograd, bucket, holds_grad: bool) -> None:
         """partition_grads: each partition into grad_partitions_flat_buffer (via the GPU under offload)."""

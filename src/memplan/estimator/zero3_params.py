@@ -36,10 +36,20 @@ from itertools import groupby
 
 from .autograd import Autograd, Tensor
 from .places import Places
+from .timing import (
+    CPU_Z3_POST_BACKWARD_S,
+    CPU_Z3_POST_FORWARD_S,
+    CPU_Z3_PRE_BACKWARD_S,
+    CPU_Z3_PRE_FORWARD_S,
+    MEMORY,
+)
 from .transformer import ModuleHooks
 
 #: the coordinator's __allgather_stream (a new CUDA stream)
 ALLGATHER_STREAM = 2
+#: _fetch_sub_module_impl synchronizes the oldest all-gather event once more than this many are pending
+#: (PartitionedParameterCoordinator.__max_ongoing_fetch_events)
+MAX_ONGOING_FETCH_EVENTS = 2
 
 
 class Zero3Params(ModuleHooks):
@@ -88,6 +98,8 @@ class Zero3Params(ModuleHooks):
         #: register_external_parameter: per module, parameters a forward read while they were not available
         #: (ZeROOrderedDict.__getitem__ in engine.forward), fetched and released with the module from then on
         self.external: dict[str, tuple[str, ...]] = {}
+        #: __ongoing_fetch_events: the all-gather stream's work record after each waited handle, oldest first
+        self.fetch_events: deque[int] = deque()
 
     def persistent(self, name: str) -> bool:
         return self.numel[name] <= self.persist_at
@@ -154,33 +166,46 @@ class Zero3Params(ModuleHooks):
                 self.avail[p] = (self.P.to_device(f"{p} (gathered)", w[p] * self.numel[p], "params_gathered", s)
                                  if self.offload_param else None)
             return
-        if len(todo) == 1:  # _all_gather_sequential: the buffer is the parameter
+        if len(todo) == 1:  # _all_gather_sequential: the buffer is the parameter, in flight until waited
             p = todo[0]
             self.avail[p] = L.alloc(f"{p} (gathered)", w[p] * self.part[p] * self.n, "params_gathered", s)
             self._free_all(self._h2d(todo, s))
+            self.inflight[p] = [[], {p}, []]
             return
         # _all_gather_coalesced: one _all_gather_dtype flat buffer per communication dtype, in sort_dtypes order
         # (str(dtype): bfloat16 and float16 before float32, peft's fp32 adapters last), ds_id order within each
         groups = [[p for p in todo if w[p] == width] for width in sorted({w[p] for p in todo})]
         flats = []
         for group in groups:
-            flats.append(L.alloc("zero3.allgather_flat", self.n * sum(w[p] * self.part[p] for p in group),
-                                 "params_gathered", s))
+            local = sum(w[p] * self.part[p] for p in group)
+            flats.append(L.alloc("zero3.allgather_flat", self.n * local, "params_gathered", s))
+            L.work(0.0, 0.0, 2 * local, MEMORY, s)  # torch.cat(partitions, out=flat's own slice)
             self._free_all(self._h2d(group, s))  # torch.cat(..., out=partition) of the copies
         handle = [flats, set(todo), [p for group in groups for p in group]]
         for p in todo:
             self.inflight[p] = handle
 
-    def _wait(self, name: str) -> None:
-        """The coordinator pops ``name``'s handle and waits on it."""
+    def _wait(self, name: str, fetching: bool = False) -> None:
+        """The coordinator pops ``name``'s handle and waits on it; ``fetching``: in _fetch_sub_module_impl, on the
+        all-gather stream, after synchronizing the oldest pending fetch event if more than
+        MAX_ONGOING_FETCH_EVENTS are (completed ones are dropped first: since they complete in order, that is the
+        one MAX_ONGOING_FETCH_EVENTS + 1 waits ago), and followed by a new event."""
         handle = self.inflight.pop(name, None)
         if handle is None:
             return
+        if fetching and len(self.fetch_events) > MAX_ONGOING_FETCH_EVENTS:
+            self.L.wait(self.fetch_events.popleft())
         if handle[2]:  # AllGatherCoalescedHandle.wait: every parameter copied out at the first wait
+            copied = 0
             for p in handle[2]:
                 self.avail[p] = self.L.alloc(f"{p} (gathered)", self.w[p] * self.numel[p], "params_gathered",
                                              ALLGATHER_STREAM)
+                copied += self.w[p] * self.numel[p]
+            # torch.cat(partitions): the copies out of the flat buffer (read and write), on the all-gather stream
+            self.L.work(0.0, 0.0, 2 * copied, MEMORY, ALLGATHER_STREAM)
             handle[2] = []
+        if fetching:
+            self.fetch_events.append(self.L.work(0.0, stream=ALLGATHER_STREAM))
         handle[1].discard(name)
         if not handle[1]:  # MultipleAllGatherHandles' list dies last item first (CPython list_dealloc)
             for flat in reversed(handle[0]):
@@ -192,6 +217,10 @@ class Zero3Params(ModuleHooks):
         saved the parameter keeps its gathered storage alive."""
         if name in self.avail and name not in self.inflight and not self.holders.get(name):
             tid = self.avail.pop(name)
+            # free_param (partition_parameters.py): param.data.record_stream(current_stream()) before the
+            # storage is dropped, so a buffer gathered on the all-gather stream waits for the compute stream
+            if tid is not None:
+                self.L.record_stream(tid, 0)
             if retain:
                 self.retained.setdefault(name, []).append(tid)
             else:
@@ -228,7 +257,9 @@ class Zero3Params(ModuleHooks):
             self.param_order.extend((p, self.step_id) for p in params)
         self._all_gather(list(params))
         for p in params:
-            self._wait(p)
+            self._wait(p, fetching=True)
+        # current_stream().wait_stream(the all-gather stream)
+        self.L.stream_wait(self.L.work(0.0, stream=ALLGATHER_STREAM))
         if self.complete:
             pending = {p for p in params if self.recent.get(p, -10**12) < self.step_id}
             discarded: set[str] = set()
@@ -334,6 +365,7 @@ class Zero3Params(ModuleHooks):
     def pre_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], inputs: tuple[Tensor, ...]):
         if getattr(ag, "suppress", False):
             return inputs
+        self.L.work(CPU_Z3_PRE_FORWARD_S)
         names = self._module_params(module, tuple(t.param for t in params))
         self.fetch(names)
         self._hold(module, names)
@@ -358,6 +390,7 @@ class Zero3Params(ModuleHooks):
 
     def backward_fetch(self, module: str, own: tuple[str, ...]) -> None:
         """pre_sub_module_backward_function: the module becomes an active backward submodule, then its fetch."""
+        self.L.work(CPU_Z3_PRE_BACKWARD_S)
         self.active_backward.setdefault(module, None)
         names = self._module_params(module, own)
         self.fetch(names)
@@ -368,6 +401,7 @@ class Zero3Params(ModuleHooks):
         go by __params_to_release's rules, the frozen ones a recompute attributed to it (ds_recompute_parameters)
         whenever not persistent, each once no other module holds it (a view a live node saved keeps the storage:
         Autograd.saved_param_views)."""
+        self.L.work(CPU_Z3_POST_BACKWARD_S)
         self.active_backward.pop(module, None)
         names = self._module_params(module, own)
         owned = self.recompute_owned.pop(module, set())
@@ -380,6 +414,7 @@ class Zero3Params(ModuleHooks):
     def post_forward(self, ag: Autograd, module: str, params: tuple[Tensor, ...], output: Tensor) -> Tensor:
         if getattr(ag, "suppress", False):
             return output
+        self.L.work(CPU_Z3_POST_FORWARD_S)
         names = self._module_params(module, tuple(t.param for t in params))
         self._unhold(module, names)
         kept = ag.recompute_detached if getattr(ag, "stop_at", None) is not None else frozenset()

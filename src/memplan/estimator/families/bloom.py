@@ -11,6 +11,7 @@ import math
 from .. import blocks as B
 from .. import blocks_linear as BL
 from ..autograd import Tensor, _Ctx
+from ..timing import gemm_flops
 from ..transformer import INT64, Net, Output, causal_lm_head, embedding
 
 INT32 = 4
@@ -118,7 +119,7 @@ def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i
     ag.release(fv)
     q, k, v = layers
     scores_bytes = b * s.batch * nh * S * S
-    scores = baddbmm(ag, al, q, k, scores_bytes, f"{pre}.scores")
+    scores = baddbmm(ag, al, q, k, scores_bytes, f"{pre}.scores", s.batch * nh)
     masked = B.add(ag, scores, mask, f"{pre}.masked")
     probs32 = B.softmax(ag, masked, B.FP32 * s.batch * nh * S * S, f"{pre}.softmax",
                         half_to_float=B.half_to_float(net), device=net.device)
@@ -128,7 +129,8 @@ def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i
         ag, z, m.attention_dropout, b, f"{pre}.attention_dropout", net.device), probs)
     ag.release(probs)  # attention_probs is rebound to the dropout's output
     # torch.bmm; _merge_heads' view back from the permuted grad copies it for B > 1
-    ctx = BL.matmul(ag, dropped, v, b * s.tokens * h, f"{pre}.context", grad_copy=copy)
+    ctx = BL.matmul(ag, dropped, v, b * s.tokens * h, f"{pre}.context", grad_copy=copy, batch=s.batch * nh,
+                    elem_bytes=b)
     merged = B.clone(ag, ctx, f"{pre}.merged")  # _merge_heads: view, permute, reshape
     ag.release(ctx)
     y = net.linear(merged, f"{pre}.dense", h, True)
@@ -139,10 +141,10 @@ def attention(net: Net, x: Tensor, residual: Tensor, al: Tensor, mask: Tensor, i
     return out, dropped
 
 
-def baddbmm(ag, al: Tensor, q: Tensor, k: Tensor, out_bytes: int, name: str) -> Tensor:
+def baddbmm(ag, al: Tensor, q: Tensor, k: Tensor, out_bytes: int, name: str, batch: int) -> Tensor:
     """alibi.baddbmm(batch1=q, batch2=k^T, beta=1, alpha): BaddbmmBackward0 saves batch1 and batch2; in
     sorted input-name order batch1's grad grad.bmm(batch2^T)·alpha, then batch2's batch1^T.bmm(grad)·alpha
-    (each bmm result freed once scaled); alibi needs no grad."""
+    (each bmm result freed once scaled); alibi needs no grad. ``batch``: B·nh (for the operations counted)."""
     def backward(ctx: _Ctx, grad: Tensor, node):
         out = []
         for t, w in ((q, "batch1"), (k, "batch2")):
@@ -151,7 +153,8 @@ def baddbmm(ag, al: Tensor, q: Tensor, k: Tensor, out_bytes: int, name: str) -> 
             ctx.free(raw)
         return (None, out[0], out[1])
 
-    return ag.op(name, out_bytes, (al, q, k), (q, k), backward)
+    return ag.op(name, out_bytes, (al, q, k), (q, k), backward,
+                 flops=gemm_flops(q.nbytes, k.nbytes, out_bytes, ag.elem_bytes, batch))
 
 
 def gelu(net: Net, x: Tensor, name: str) -> Tensor:

@@ -34,7 +34,8 @@ def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     caller's reshape copies it). Returns the output and attn_weights (the dropout's output)."""
     ag = net.ag
     copy = A._folds_copy(True, g)
-    scores = BL.matmul(ag, q, k, g.scores(), f"{name}.scores", copy_a=copy, copy_c=copy)
+    scores = BL.matmul(ag, q, k, g.scores(), f"{name}.scores", copy_a=copy, copy_c=copy, batch=g.batch * g.heads,
+                       elem_bytes=g.b)
     scaled = B.scale(ag, scores, f"{name}.scaled")
     ag.release(scores)
     if mask is not None:
@@ -45,7 +46,8 @@ def eager_attention(net: Net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     ag.release(scaled)
     dropped = dropout(net, probs, net.m.attention_dropout, f"{name}.dropout")
     ag.release(probs)
-    out = BL.matmul(ag, dropped, v, g.bytes(), f"{name}.out", copy_c=copy, grad_copy=copy)
+    out = BL.matmul(ag, dropped, v, g.bytes(), f"{name}.out", copy_c=copy, grad_copy=copy, batch=g.batch * g.heads,
+                    elem_bytes=g.b)
     return out, dropped
 
 

@@ -85,7 +85,7 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int
     up_w = read(f"{pre}.gate_up_proj")  # selected_weights = self.gate_up_proj, before the pre-mask
     selected = M.masked_fill(ag, gathered, sentinel, f"{pre}.premask", in_place=True)
     ag.release(gathered)
-    up_out = M.grouped_mm(ag, selected, up_w, offsets, b * rows * 2 * n, f"{pre}.gate_up")
+    up_out = M.grouped_mm(ag, selected, up_w, offsets, b * rows * 2 * n, f"{pre}.gate_up", e)
     proj = M.masked_fill(ag, up_out, sentinel, f"{pre}.gate_up_masked")
     ag.release(up_out)
     gate, up = M.chunk2(ag, proj, f"{pre}.chunk")  # _default_apply_gate
@@ -94,7 +94,7 @@ def experts(net: Net, x: Tensor, weights: Tensor, index: Tensor, i: int, wb: int
     prod = B.mul(ag, act, up, b * rows * n, f"{pre}.act_up")
     for z in (act, gate, up):
         ag.release(z)
-    down = M.grouped_mm(ag, prod, read(f"{pre}.down_proj"), offsets, b * rows * h, f"{pre}.down")
+    down = M.grouped_mm(ag, prod, read(f"{pre}.down_proj"), offsets, b * rows * h, f"{pre}.down", e)
     ag.release(prod)
     proj = M.masked_fill(ag, down, sentinel, f"{pre}.down_masked")
     ag.release(down)

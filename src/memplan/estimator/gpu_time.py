@@ -1,0 +1,179 @@
+"""The ledger as the caching allocator sees it while the GPU runs behind the host: when each deferred free lands.
+
+A tensor another stream used (``Tensor.record_stream``; the ledger's ``stream_used``) is not reusable when Python
+frees it: CUDACachingAllocator::free records an event on each stream that used the block (insert_events) and hands
+the block back to the free lists only once those events have completed, which it checks at the start of every
+later malloc (process_events) and at empty_cache (synchronize_and_free_events). Under ZeRO-3 DeepSpeed frees two
+kinds of tensor that way: every gathered parameter (partition_parameters.py free_param,
+``param.data.record_stream(current_stream())``: the buffer was gathered on the all-gather stream) and every
+gradient copied into the IPG bucket (stage3.py __add_grad_to_ipg_bucket, ``param.grad.record_stream`` of the
+reduce stream, which waits for the compute stream first). So a free completes at the first malloc the host makes
+after the GPU has run every kernel queued before the free.
+
+``timed(L, rates)`` replays the host and the GPU over the ledger's work records (estimator/timing.py): the host's
+clock advances by each record's seconds and waits where the record says (an event's synchronize, a
+``torch.cuda.synchronize``), and at every phase mark and empty_cache (memplan.verify brackets each phase with
+``torch.cuda.synchronize()``; empty_cache synchronizes); each record's kernels start when the GPU is free and the
+host has launched them, and run for max(operations / rate, bytes / bandwidth) plus a launch's minimum. CUDA's
+launch queue holds 1021 kernels (benchmarks/allocator/gpu/launch_queue.json): the host blocks at the next launch
+until the oldest has run. A deferred free completes at the GPU time its record's queue drains to; the returned
+ledger moves it to just before the first allocation the host makes at or after that time. Allocations keep their
+order; only peak reserved is read from it (allocated bytes drop at the free's request, where the plain ledger has
+it). The streams are one queue here: the all-gather stream's work waits for nothing but is tiny under the fake
+process group, and the reduce stream waits for the compute stream before each grad's copy.
+
+``GpuRates`` turns operations and bytes into seconds for one GPU (memplan.gpus presets): the datasheet's rates
+times the shares a training job's kernels reach, measured on the reference H200 (benchmarks/timing/).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..ledger import EMPTY_CACHE, NO_WAIT, STREAM_WAIT, SYNC, Ledger, Mark
+from .timing import ATTENTION, GEMM, GEMM_FP32, MEMORY
+
+#: CUDA's launch queue: the 1022nd launch behind a busy kernel blocks (benchmarks/allocator/gpu/launch_queue.json)
+LAUNCH_QUEUE = 1021
+#: the shortest a kernel takes on the GPU, launch to launch (a kernel of no work back to back)
+KERNEL_FLOOR_S = 3e-6
+#: a kernel on a side stream (the all-gather stream's copies) runs after every compute kernel queued before its
+#: launch (True), or after the one running at its launch (False): benchmarks/timing/README.md, "side stream"
+SIDE_AFTER_QUEUE = True
+
+#: shares of the datasheet rates that training kernels reach (benchmarks/timing/README.md): cuBLAS matrix
+#: products of transformer shapes in 16-bit and fp32, the fused attention kernels, and memory-bound kernels
+GEMM_EFFICIENCY = 0.6
+GEMM_FP32_EFFICIENCY = 0.75
+ATTENTION_EFFICIENCY = 0.4
+MEMORY_EFFICIENCY = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRates:
+    """Operations per second by kernel kind (timing.GEMM, GEMM_FP32, ATTENTION) and bytes per second."""
+
+    gemm: float
+    gemm_fp32: float
+    attention: float
+    memory: float
+
+    @classmethod
+    def of(cls, gpu) -> GpuRates:
+        """The rates of a memplan.gpus.GpuSpec (the reference H200's where the spec lacks one)."""
+        from ..gpus import reference_gpu
+
+        ref = reference_gpu()
+        bf16 = (gpu.bf16_tflops or ref.bf16_tflops) * 1e12
+        fp32 = (gpu.fp32_tflops or ref.fp32_tflops) * 1e12
+        hbm = float(gpu.hbm_bytes_per_s or ref.hbm_bytes_per_s)
+        return cls(bf16 * GEMM_EFFICIENCY, fp32 * GEMM_FP32_EFFICIENCY, bf16 * ATTENTION_EFFICIENCY,
+                   hbm * MEMORY_EFFICIENCY)
+
+    def seconds(self, kernel: int, flops: float, nbytes: int) -> float:
+        """How long one record's kernels run."""
+        if not flops and not nbytes:
+            return 0.0
+        rate = (self.memory if kernel == MEMORY else self.gemm if kernel == GEMM else
+                self.gemm_fp32 if kernel == GEMM_FP32 else self.attention if kernel == ATTENTION else self.memory)
+        compute = flops / rate if kernel != MEMORY else 0.0
+        return max(compute, nbytes / self.memory) + KERNEL_FLOOR_S
+
+
+def timed(L: Ledger, rates: GpuRates) -> Ledger | None:
+    """``L`` with each deferred free moved to where the caching allocator completes it (the module docstring);
+    None when ``L`` frees nothing with record_stream (the plain ledger is then the allocator's view)."""
+    if not L.stream_used:
+        return None
+    out, marks, _ = _walk(L, rates)
+    late = Ledger()
+    late.names, late.sizes, late.components, late.streams = L.names, L.sizes, L.components, L.streams
+    late.events = out
+    late.marks = marks
+    return late
+
+
+def phase_seconds(L: Ledger, rates: GpuRates) -> list[tuple[str, float]]:
+    """(label, seconds) of each phase mark's span as the replay times it: from the mark's synchronization to the
+    next one's (what memplan.verify's phases measure as wall_s)."""
+    _, marks, at = _walk(L, rates)
+    phases = [(m.label, t) for m, t in zip(marks, at) if m.kind != EMPTY_CACHE]
+    return [(label, t1 - t0) for (label, t0), (_, t1) in zip(phases, phases[1:] + [("end", at[-1])])]
+
+
+def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float]]:
+    """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
+    reached). The compute stream (0, and the reduce stream, which waits for it before every grad it takes) runs
+    its kernels in order; a kernel on another stream (the all-gather stream's copies) starts once that stream is
+    free, the host has launched it and the compute kernel running at its launch has ended (the GPU's scheduler
+    starts another stream's kernel when SMs free up, not beside a kernel that fills them)."""
+    used = L.stream_used
+    events, wat, wcpu, wflops, wbytes = L.events, L.work_at, L.work_cpu_s, L.work_flops, L.work_bytes
+    wkernel, wstream, wwait = L.work_kernel, L.work_stream, L.work_wait
+    marks = L.marks
+    mark_work = L.mark_work if len(L.mark_work) == len(marks) else [0] * len(marks)
+    seconds = rates.seconds
+    finish = [0.0] * len(wat)  # GPU time each record's kernels end
+    queue: deque[tuple[float, float]] = deque()  # (start, end) of launched compute kernels, oldest first
+    cpu = gpu = side = 0.0  # the host's clock, when the compute stream and the side stream are free
+    out: list[int] = []
+    pending: deque[tuple[float, int]] = deque()  # (GPU time the free's events complete, the free)
+    new_marks: list[Mark] = []
+    reached: list[float] = []
+    k = m = 0
+    n_work, n_marks = len(wat), len(marks)
+    for i in range(len(events) + 1):
+        while (here := k < n_work and wat[k] == i) or m < n_marks and marks[m].at == i:
+            if m < n_marks and marks[m].at == i and (mark_work[m] <= k or not here):  # a phase (verify syncs) or
+                cpu = max(cpu, gpu, side)  # empty_cache: all that is queued completes
+                out.extend(ev for _, ev in pending)
+                pending.clear()
+                queue.clear()
+                new_marks.append(Mark(len(out), marks[m].label, marks[m].kind))
+                reached.append(cpu)
+                m += 1
+                continue
+            cpu += wcpu[k]
+            w = wwait[k]
+            if w == NO_WAIT:
+                dur = seconds(wkernel[k], wflops[k], wbytes[k])
+                while queue and queue[0][1] <= cpu:
+                    queue.popleft()
+                if wstream[k] == 0:
+                    if dur:
+                        if len(queue) >= LAUNCH_QUEUE:
+                            cpu = queue.popleft()[1]
+                        start = max(gpu, cpu)
+                        gpu = start + dur
+                        queue.append((start, gpu))
+                    finish[k] = gpu
+                else:
+                    if dur:
+                        running = gpu if SIDE_AFTER_QUEUE else (queue[0][1] if queue and queue[0][0] <= cpu else cpu)
+                        side = max(side, cpu, running) + dur
+                    finish[k] = side
+            elif wkernel[k] == STREAM_WAIT:
+                gpu = max(gpu, finish[w])
+                finish[k] = gpu
+            else:
+                cpu = max(cpu, max(gpu, side) if w == SYNC else finish[w])
+                finish[k] = gpu
+            k += 1
+        if i == len(events):
+            break
+        ev = events[i]
+        if ev >= 0:
+            while pending and pending[0][0] <= cpu:  # process_events at the malloc
+                out.append(pending.popleft()[1])
+            out.append(ev)
+        elif ~ev in used:
+            pending.append((gpu, ev))
+        else:
+            out.append(ev)
+    out.extend(ev for _, ev in pending)
+    reached.append(max(cpu, gpu, side))
+    return out, new_marks, reached
+
+
+__all__ = ["GpuRates", "LAUNCH_QUEUE", "phase_seconds", "timed"]

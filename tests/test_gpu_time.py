@@ -1,0 +1,185 @@
+"""The timing replay (estimator.gpu_time): when the caching allocator completes each record_stream free, given
+the host's and the GPU's clocks over the ledger's work records.
+
+Toy ledgers worked by hand (units: 1 s of host or GPU time, 100 MiB blocks), the two limits of the replay (a GPU
+infinitely fast is the plain ledger; one infinitely slow is estimator.gpu_behind's bound), and the ZeRO-3 ledger's
+work records."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.allocator import simulate
+from memplan.estimator.gpu_behind import gpu_behind
+from memplan.estimator.gpu_time import LAUNCH_QUEUE, GpuRates, phase_seconds, timed
+from memplan.estimator.program import build_ledger
+from memplan.estimator.timing import MEMORY, attention_flops, gemm_flops
+from memplan.ledger import SYNC, Ledger
+from memplan.presets import load_model
+from memplan.specs import Job
+from memplan.units import MiB
+
+SIDE = 2  # a side stream (ZeRO-3's all-gather stream in the estimator)
+#: a GPU on which one byte of memory traffic takes a tenth of a second (memory-bound kernels only)
+SLOW = GpuRates(gemm=1.0, gemm_fp32=1.0, attention=1.0, memory=10.0)
+
+
+def _layers(kernel_s: float, n: int = 3) -> Ledger:
+    """Phase a: n layers, each 0.5 s of the host's Python, then a 100 MiB weight gathered on the side stream, a
+    kernel of ``kernel_s`` seconds (bytes on SLOW) on the compute stream, the weight freed with record_stream."""
+    L = Ledger()
+    L.mark("a")
+    for i in range(n):
+        L.work(0.5)
+        w = L.alloc(f"layer{i}.weight (gathered)", 100 * MiB, "params_gathered", SIDE)
+        L.work(0.0, 0.0, round(10 * kernel_s), MEMORY)
+        L.record_stream(w, 0)
+        L.free(w)
+    L.mark("b")
+    L.free(L.alloc("activation", 4 * MiB, "activations"))
+    return L
+
+
+def test_a_gpu_that_keeps_up_completes_each_free_before_the_next_gather():
+    # each kernel (0.1 s) ends before the host gathers the next weight (0.5 s later): the plain ledger's order
+    L = _layers(kernel_s=0.1)
+    late = timed(L, SLOW)
+    assert late.events == L.events
+    assert simulate(late).peak_reserved_bytes == simulate(L).peak_reserved_bytes == 100 * MiB + 20 * MiB
+
+
+def test_a_gpu_behind_keeps_every_gathered_weight_until_it_catches_up():
+    # each kernel takes 10 s: at the host's gathers (t = 0.5, 1.0, 1.5) no kernel has ended, so no free has
+    # completed; the three frees land at phase b's synchronization
+    L = _layers(kernel_s=10)
+    late = timed(L, SLOW)
+    assert late.events == [0, 1, 2, ~0, ~1, ~2, 3, ~3]
+    assert simulate(late).peak_reserved_bytes == 300 * MiB + 20 * MiB
+    # the phase lasted until the GPU finished its 30 s of kernels, the first launched at t = 0.5 (the host needs
+    # 1.5 s in all); each kernel also takes the launch floor
+    assert dict(phase_seconds(L, SLOW))["a"] == pytest.approx(30.5, abs=1e-3)
+
+
+def test_a_free_completes_at_the_first_malloc_after_the_gpu_passes_it():
+    # kernels of 0.7 s launched every 0.5 s from t = 0.5: layer 0's ends at 1.2, layer 1's at 1.9; the host gathers
+    # layer 1 at t = 1.0 (layer 0's free still pending) and layer 2 at 1.5 (it has completed; layer 1's has not)
+    L = _layers(kernel_s=0.7)
+    late = timed(L, SLOW)
+    assert late.events == [0, 1, ~0, 2, ~1, ~2, 3, ~3]
+
+
+def test_a_host_wait_lets_the_gpu_catch_up():
+    L = Ledger()
+    L.mark("a")
+    w = L.alloc("w0", 100 * MiB, "params_gathered", SIDE)
+    k = L.work(0.0, 0.0, 100, MEMORY)
+    L.record_stream(w, 0)
+    L.free(w)
+    L.wait(k)  # event.synchronize(): the host reaches t = 10 here
+    L.free(L.alloc("w1", 100 * MiB, "params_gathered", SIDE))
+    assert timed(L, SLOW).events == L.events
+    L2 = Ledger()
+    L2.mark("a")
+    w = L2.alloc("w0", 100 * MiB, "params_gathered", SIDE)
+    L2.work(0.0, 0.0, 100, MEMORY)
+    L2.record_stream(w, 0)
+    L2.free(w)
+    L2.wait(SYNC)
+    L2.free(L2.alloc("w1", 100 * MiB, "params_gathered", SIDE))
+    assert timed(L2, SLOW).events == L2.events
+
+
+def test_the_launch_queue_blocks_the_host():
+    # LAUNCH_QUEUE + 1 kernels of 1 s each, launched at once: the last launch waits for the first kernel's end
+    L = Ledger()
+    L.mark("a")
+    w = L.alloc("w0", 100 * MiB, "params_gathered", SIDE)
+    for _ in range(LAUNCH_QUEUE):
+        L.work(0.0, 0.0, 10, MEMORY)
+    L.record_stream(w, 0)
+    L.free(w)  # completes when the GPU has run the LAUNCH_QUEUE kernels: t = LAUNCH_QUEUE
+    L.work(0.0, 0.0, 10, MEMORY)  # the queue is full: the host blocks until t = 1
+    L.free(L.alloc("w1", 100 * MiB, "params_gathered", SIDE))
+    late = timed(L, SLOW)
+    assert late.events == [0, 1, ~1, ~0]  # t = 1 < LAUNCH_QUEUE: w0's free is still pending at w1's malloc
+
+
+def test_ops_count_their_operations():
+    # [1024, 512] @ [512, 256]ᵀ in bf16: 2·1024·512·256 operations from the three tensors' bytes
+    assert gemm_flops(1024 * 512 * 2, 256 * 512 * 2, 1024 * 256 * 2, 2) == 2 * 1024 * 512 * 256
+    # a batch of 8 products [64, 32] @ [32, 16]
+    assert gemm_flops(8 * 64 * 32 * 4, 8 * 32 * 16 * 4, 8 * 64 * 16 * 4, 4, batch=8) == 2 * 8 * 64 * 32 * 16
+    assert attention_flops(1, 2, 10, 10, 4, 4) == 2 * 2 * 10 * 10 * 8 / 2
+    assert attention_flops(1, 2, 10, 20, 4, 4, causal=False) == 2 * 2 * 10 * 20 * 8
+
+
+_SCRIPT = st.lists(st.tuples(st.sampled_from(("gather", "free", "kernel", "mark", "wait")), st.integers(1, 8),
+                             st.integers(0, 20)), max_size=60)
+
+
+def _scripted(script) -> Ledger:
+    L = Ledger()
+    L.mark("m0")
+    live: list[int] = []
+    records: list[int] = []
+    for kind, mib, t in script:
+        if kind == "gather":
+            x = L.alloc("g", mib * MiB, "params_gathered", SIDE if t % 2 else 0)
+            if t % 2:
+                L.record_stream(x, 0)
+            live.append(x)
+        elif kind == "free" and live:
+            x = live.pop(mib % len(live))
+            if x in L.stream_used:  # a kernel used it: its free waits for that kernel
+                L.work(0.0, 0.0, 1, MEMORY)
+            L.free(x)
+        elif kind == "kernel":
+            records.append(L.work(0.01 * mib, 0.0, t, MEMORY))
+        elif kind == "mark":
+            L.mark(f"m{len(L.marks)}")
+        elif kind == "wait" and records:
+            L.wait(records[t % len(records)])
+    return L
+
+
+@settings(max_examples=80, deadline=None)
+@given(_SCRIPT)
+def test_the_replay_lies_between_a_gpu_that_keeps_up_and_one_a_phase_behind(script):
+    L = _scripted(script)
+    fast = timed(L, GpuRates(gemm=1e30, gemm_fp32=1e30, attention=1e30, memory=1e30))
+    slow = timed(L, GpuRates(gemm=1e-30, gemm_fp32=1e-30, attention=1e-30, memory=1e-30))
+    if fast is None:
+        assert not L.stream_used and gpu_behind(L) is None
+        return
+    # every free kept, allocations in their order; a free only ever moves later
+    mid = timed(L, SLOW)
+    for late in (fast, slow, mid):
+        assert sorted(late.events) == sorted(L.events)
+        assert [e for e in late.events if e >= 0] == [e for e in L.events if e >= 0]
+        assert [m.label for m in late.marks] == [m.label for m in L.marks]
+    # an infinitely fast GPU (kernels of a few microseconds at most: timed's floor) frees at the next malloc
+    # the host makes after the free, as the plain ledger does for allocations
+    allocs = [e for e in L.events if e >= 0]
+    assert [e for e in fast.events if e >= 0] == allocs
+    # one infinitely slow completes nothing before a synchronization: estimator.gpu_behind's bound
+    behind = gpu_behind(L)
+    assert slow.events == behind.events and [m.at for m in slow.marks] == [m.at for m in behind.marks]
+
+
+def _zero3(**training) -> Job:
+    return Job(model=load_model("llama-3.2-1b"), layout={"world": 8},
+               training={"seq_len": 4096, "zero": {"stage": 3}, **training})
+
+
+def test_a_zero3_ledger_times_its_forward_and_backward():
+    """Every forward op and backward node of a ZeRO-3 ledger carries a work record; each training phase takes
+    time, and a slower GPU never finishes a phase sooner."""
+    L = build_ledger(_zero3(), steps=1)
+    assert len(L.work_at) > 1000
+    assert L.stream_used
+    from memplan.gpus import resolve_gpu
+
+    h200 = dict(phase_seconds(L, GpuRates.of(resolve_gpu("h200"))))
+    a100 = dict(phase_seconds(L, GpuRates.of(resolve_gpu("a100-40g"))))
+    for phase in ("step0.micro0.forward", "step0.micro0.backward"):
+        assert 0 < h200[phase] <= a100[phase]
