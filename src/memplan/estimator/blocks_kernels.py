@@ -24,13 +24,19 @@ from .blocks_attention import (
     _folds_copy,
     repeat_kv,
 )
-from .timing import ATTENTION, ATTENTION_BACKWARD_RATIO, attention_flops
+from .timing import (
+    ATTENTION_BACKWARD_RATIO,
+    ATTENTION_CUDNN,
+    ATTENTION_EFFICIENT,
+    ATTENTION_FLASH,
+    attention_flops,
+)
 
 
-def _fused(g: Geometry) -> dict:
+def _fused(g: Geometry, kernel: int) -> dict:
     """A fused attention kernel's time (timing.py): causal softmax(q·kᵀ)·v over the call's geometry."""
-    return {"flops": attention_flops(g.batch, g.heads, g.seq, g.seq, g.head_dim, g.dv), "kernel": ATTENTION,
-            "backward_ratio": ATTENTION_BACKWARD_RATIO}
+    return {"flops": attention_flops(g.batch, g.heads, g.seq, g.seq, g.head_dim, g.dv), "kernel": kernel,
+            "backward_ratio": ATTENTION_BACKWARD_RATIO[kernel]}
 
 
 def _lse_name(ag, name: str) -> str:
@@ -81,7 +87,7 @@ def flash_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
             ctx.free(t)
         return (dq, dk, dv)
 
-    out = ag.op(f"{name}.out", out_bytes, (q, k, v), (k, q, v), backward, **_fused(g))
+    out = ag.op(f"{name}.out", out_bytes, (q, k, v), (k, q, v), backward, **_fused(g, ATTENTION_FLASH))
     lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
     ag.keep(out, lse)
     ag.keep(out, out)
@@ -158,7 +164,7 @@ def efficient_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
         return (dq, dk, dv)
 
     saved = (bias, k, q, v) if bias is not None else (k, q, v)
-    out = ag.op(f"{name}.out", out_bytes, (q, k, v), saved, backward, **_fused(g))
+    out = ag.op(f"{name}.out", out_bytes, (q, k, v), saved, backward, **_fused(g, ATTENTION_EFFICIENT))
     lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * s32)
     ag.keep(out, lse)
     ag.keep(out, out)
@@ -210,7 +216,7 @@ def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
     seed = ag.empty(f"{name}.philox_seed{suffix}", 8)
     offset = ag.empty(f"{name}.philox_offset{suffix}", 8)
     saved = (mask, k, q, v) if mask is not None else (k, q, v)
-    out = ag.op(f"{name}.out", g.v_bytes(), (q, k, v), saved, backward, **_fused(g))
+    out = ag.op(f"{name}.out", g.v_bytes(), (q, k, v), saved, backward, **_fused(g, ATTENTION_CUDNN))
     lse = ag.empty(_lse_name(ag, name), FP32 * g.batch * g.heads * g.seq)
     ag.release(ag.empty(f"{name}.workspace.tmp", CUDNN_FWD_WORKSPACE_BYTES))
     for t in (out, lse, seed, offset):

@@ -32,31 +32,38 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..ledger import EMPTY_CACHE, NO_WAIT, STREAM_WAIT, SYNC, Ledger, Mark
-from .timing import ATTENTION, GEMM, GEMM_FP32, MEMORY
+from .timing import ATTENTION_CUDNN, ATTENTION_EFFICIENT, ATTENTION_FLASH, GEMM, GEMM_FP32
 
 #: CUDA's launch queue: the 1022nd launch behind a busy kernel blocks (benchmarks/allocator/gpu/launch_queue.json)
 LAUNCH_QUEUE = 1021
-#: the shortest a kernel takes on the GPU, launch to launch (a kernel of no work back to back)
-KERNEL_FLOOR_S = 3e-6
-#: a kernel on a side stream (the all-gather stream's copies) runs after every compute kernel queued before its
-#: launch (True), or after the one running at its launch (False): benchmarks/timing/README.md, "side stream"
-SIDE_AFTER_QUEUE = True
+#: a kernel on a side stream (the all-gather stream's copies) starts after every compute kernel queued before its
+#: launch (True), or once the one running at its launch ends (False: benchmarks/timing/kernels-h100.json
+#: "side_stream", a copy launched behind twelve queued matrix products completes during the first or second)
+SIDE_AFTER_QUEUE = False
 
-#: shares of the datasheet rates that training kernels reach (benchmarks/timing/README.md): cuBLAS matrix
-#: products of transformer shapes in 16-bit and fp32, the fused attention kernels, and memory-bound kernels
-GEMM_EFFICIENCY = 0.6
-GEMM_FP32_EFFICIENCY = 0.75
-ATTENTION_EFFICIENCY = 0.4
-MEMORY_EFFICIENCY = 0.75
+# Shares of the datasheet rates (memplan.gpus) training kernels reach, and their fixed costs, measured on an H100
+# (benchmarks/timing/kernels-h100.json; benchmarks/timing/README.md gives the fits):
+#: cuBLAS matrix products in bf16 / fp16 at 25 transformer shapes (forward, grad of the input, grad of the weight):
+#: time = operations / (share × dense tensor rate) + fixed, median error 7.6 %
+GEMM_EFFICIENCY, GEMM_FIXED_S = 0.727, 20e-6
+#: the same in fp32 on the CUDA cores (allow_tf32 off), median error 2.7 %
+GEMM_FP32_EFFICIENCY, GEMM_FP32_FIXED_S = 0.766, 83e-6
+#: sdpa's fused kernels, causal forward at 9 shapes (the median share)
+ATTENTION_EFFICIENCY = {ATTENTION_CUDNN: 0.579, ATTENTION_FLASH: 0.296, ATTENTION_EFFICIENT: 0.168}
+#: a device-to-device copy or an elementwise add of 256 MiB to 1 GiB against the HBM datasheet rate
+MEMORY_EFFICIENCY = 0.89
+#: the shortest a kernel takes, back to back (2000 one-element adds)
+KERNEL_FLOOR_S = 6.8e-6
 
 
 @dataclass(frozen=True, slots=True)
 class GpuRates:
-    """Operations per second by kernel kind (timing.GEMM, GEMM_FP32, ATTENTION) and bytes per second."""
+    """Operations per second of matrix products (16-bit, fp32) and of the fused attention kernels (by kind), and
+    bytes per second of memory-bound kernels."""
 
     gemm: float
     gemm_fp32: float
-    attention: float
+    attention: tuple[float, float, float]  # ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT
     memory: float
 
     @classmethod
@@ -68,17 +75,22 @@ class GpuRates:
         bf16 = (gpu.bf16_tflops or ref.bf16_tflops) * 1e12
         fp32 = (gpu.fp32_tflops or ref.fp32_tflops) * 1e12
         hbm = float(gpu.hbm_bytes_per_s or ref.hbm_bytes_per_s)
-        return cls(bf16 * GEMM_EFFICIENCY, fp32 * GEMM_FP32_EFFICIENCY, bf16 * ATTENTION_EFFICIENCY,
-                   hbm * MEMORY_EFFICIENCY)
+        return cls(bf16 * GEMM_EFFICIENCY, fp32 * GEMM_FP32_EFFICIENCY,
+                   tuple(bf16 * ATTENTION_EFFICIENCY[k] for k in (ATTENTION_CUDNN, ATTENTION_FLASH,
+                                                                  ATTENTION_EFFICIENT)), hbm * MEMORY_EFFICIENCY)
 
     def seconds(self, kernel: int, flops: float, nbytes: int) -> float:
         """How long one record's kernels run."""
         if not flops and not nbytes:
             return 0.0
-        rate = (self.memory if kernel == MEMORY else self.gemm if kernel == GEMM else
-                self.gemm_fp32 if kernel == GEMM_FP32 else self.attention if kernel == ATTENTION else self.memory)
-        compute = flops / rate if kernel != MEMORY else 0.0
-        return max(compute, nbytes / self.memory) + KERNEL_FLOOR_S
+        moving = nbytes / self.memory
+        if kernel == GEMM:
+            return max(flops / self.gemm + GEMM_FIXED_S, moving)
+        if kernel == GEMM_FP32:
+            return max(flops / self.gemm_fp32 + GEMM_FP32_FIXED_S, moving)
+        if kernel >= ATTENTION_CUDNN:
+            return max(flops / self.attention[kernel - ATTENTION_CUDNN], moving) + KERNEL_FLOOR_S
+        return max(moving, KERNEL_FLOOR_S)
 
 
 def timed(L: Ledger, rates: GpuRates) -> Ledger | None:

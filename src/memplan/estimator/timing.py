@@ -10,41 +10,54 @@ into seconds for a given GPU by gpu_time.GpuRates. Pure: no torch.
 Kernel kinds (``Ledger.work_kernel``): MEMORY, bytes over memory bandwidth (elementwise ops, copies, reductions,
 the softmax, the loss); GEMM, operations over the tensor cores' rate (cuBLAS matrix products in 16-bit); GEMM_FP32,
 over the CUDA cores' rate (fp32 matrix products: torch.backends.cuda.matmul.allow_tf32 is False by default, and
-neither transformers nor DeepSpeed sets it); ATTENTION, the fused attention kernels (cuDNN, FlashAttention-2, the
-memory-efficient one), over their own share of the tensor cores' rate.
+neither transformers nor DeepSpeed sets it); ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT, the fused
+attention kernels sdpa dispatches to (cuDNN's, FlashAttention-2, the memory-efficient one), each over its own share
+of the tensor cores' rate.
 """
 
 from __future__ import annotations
 
 from math import sqrt
 
-MEMORY, GEMM, GEMM_FP32, ATTENTION = 0, 1, 2, 3
-KERNELS = ("memory", "gemm", "gemm_fp32", "attention")
+MEMORY, GEMM, GEMM_FP32, ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT = 0, 1, 2, 3, 4, 5
+KERNELS = ("memory", "gemm", "gemm_fp32", "attention_cudnn", "attention_flash", "attention_efficient")
 
 # -- the host's time (seconds; benchmarks/timing/README.md says how each was measured) -------------------------
-#: one eager aten op from Python with autograd recording its node: the module's Python, the dispatcher, the
-#: output's allocation and the kernel's launch
-CPU_OP_S = 20e-6
-#: one node of the backward graph run by the autograd engine's thread (its apply and the launches it makes)
-CPU_NODE_S = 15e-6
-#: DeepSpeed ZeRO-3's hooks around one module's forward (DeepSpeedZeRoOffload._pre_forward_module_hook →
-#: fetch_sub_module, with the trace and prefetch bookkeeping, and the PreBackwardFunction / PostBackwardFunction
-#: wraps of its inputs and outputs; _post_forward_module_hook → release_sub_module)
-CPU_Z3_PRE_FORWARD_S = 500e-6
-CPU_Z3_POST_FORWARD_S = 250e-6
-#: the same around one module's backward (pre_sub_module_backward_function, post_sub_module_backward_function)
-CPU_Z3_PRE_BACKWARD_S = 500e-6
-CPU_Z3_POST_BACKWARD_S = 250e-6
+#: one eager aten op from Python with autograd recording its node, inside a transformers module: a tiny Llama's
+#: forward under ZeRO-2 (benchmarks/timing/rows-host-h100.jsonl host-z2-16l: 623 ops in 16 ms)
+CPU_OP_S = 25e-6
+#: one node of the backward graph run by the autograd engine's thread, its kernels launched
+#: (benchmarks/timing/kernels-h100.json host.op_backward_node_s)
+CPU_NODE_S = 20e-6
+#: DeepSpeed ZeRO-3's hooks around one module's forward: _pre_forward_module_hook (fetch_sub_module's bookkeeping,
+#: the PreBackwardFunction / PostBackwardFunction wraps of its inputs and outputs) and _post_forward_module_hook
+#: (release_sub_module), with nothing to gather: 194 µs a module, from the tiny Llama at 16 and 32 layers, whose
+#: parameters are all persistent (host-z3-16l, host-z3-32l: 56 ms forward for 208 more modules and 608 more ops)
+CPU_Z3_PRE_FORWARD_S = 130e-6
+CPU_Z3_POST_FORWARD_S = 64e-6
+#: the same around one module's backward (pre_sub_module_backward_function, post_sub_module_backward_function):
+#: the tiny Llamas' backward, 47 ms for 200 more modules, 1152 more nodes and 144 more grads
+CPU_Z3_PRE_BACKWARD_S = 70e-6
+CPU_Z3_POST_BACKWARD_S = 35e-6
+#: one parameter through the coordinator: its all-gather (all_gather_coalesced and its handle), the wait
+#: (AllGatherCoalescedHandle.wait, the fetch event) and its release (free_param, record_stream): the median, over
+#: the CPU-bound ZeRO-3 rows measured alone before this model existed (benchmarks/accuracy/rows-h200-15-lone.jsonl,
+#: matrix3/matrix9 rows run alone: their forwards less CPU_OP_S per op and the module hooks, per gathered
+#: parameter), of 0.78 to 1.16 ms
+CPU_Z3_GATHER_S = 1.0e-3
 #: one trainable parameter's grad through stage3.py reduce_independent_p_g_buckets_and_remove_grads (the copy into
-#: the IPG bucket) and one bucket's __reduce_and_partition_ipg_grads
+#: the IPG bucket) and one bucket's __reduce_and_partition_ipg_grads (not measured apart: the tiny Llamas'
+#: backward leaves them tens of microseconds)
 CPU_Z3_GRAD_S = 60e-6
 CPU_Z3_REDUCE_S = 300e-6
 
-#: what a fused attention kernel's backward costs against its forward (FlashAttention-2, Dao 2023, §3.1: the
-#: backward recomputes the scores and makes five matrix products to the forward's two: 2.5 times the work)
-ATTENTION_BACKWARD_RATIO = 2.5
-#: any other op's backward against its forward: a matrix product's two products (grad of the input and of the
-#: weight), an elementwise op reading the grad and its saved inputs and writing a grad per input
+#: what a fused attention kernel's backward takes against its forward, by kernel (benchmarks/timing/kernels-h100.json,
+#: the median over the measured shapes of (forward + backward − forward) / forward; FlashAttention-2, Dao 2023, §3.1,
+#: counts 2.5 times the operations)
+ATTENTION_BACKWARD_RATIO = {ATTENTION_CUDNN: 3.0, ATTENTION_FLASH: 2.8, ATTENTION_EFFICIENT: 3.5}
+#: any other op's backward against its forward: a matrix product's two products (grad of the input, of the weight;
+#: measured at the forward's rate, benchmarks/timing/kernels-h100.json), an elementwise op reading the grad and its
+#: saved inputs and writing a grad per input
 BACKWARD_RATIO = 2.0
 
 

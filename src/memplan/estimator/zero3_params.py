@@ -37,6 +37,7 @@ from itertools import groupby
 from .autograd import Autograd, Tensor
 from .places import Places
 from .timing import (
+    CPU_Z3_GATHER_S,
     CPU_Z3_POST_BACKWARD_S,
     CPU_Z3_POST_FORWARD_S,
     CPU_Z3_PRE_BACKWARD_S,
@@ -160,6 +161,7 @@ class Zero3Params(ModuleHooks):
         if not todo:
             return
         L, w, s = self.L, self.w, ALLGATHER_STREAM
+        L.work(CPU_Z3_GATHER_S * len(todo))  # each parameter's gather, wait and release in the coordinator
         self.n_avail += sum(self.numel[p] for p in todo)
         if self.n == 1:  # _no_gather_coalesced: param.data = ds_tensor.to(device)
             for p in todo:
