@@ -53,12 +53,15 @@ PARTS = {
 MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 4, "check": 20}
 #: (part, bar) → why the bar does not hold on what is committed. Strict: a bar that starts to hold fails here
 #: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
-_RESERVED_LEDGER = ("the simulator's reserved is under the measured one on ZeRO-3 jobs with 1-2 GB gathered weights "
-                    "and on several ZeRO-1/2 Qwen rows (fragmentation across streams not reproduced yet, issue 12)")
+_RESERVED_LEDGER = ("reserved is timed now (estimator.gpu_time) and 48 ZeRO-3 points measured alone sit within 0.3 % "
+                    "median, but single rows are still far off both ways: ZeRO-1/2 jobs whose fragmentation across "
+                    "streams is not reproduced (176B-width ZeRO-2, DeepSeek, the AutoTP rows), ZeRO-3 jobs with "
+                    "overlap_comm off under Ulysses, an offloaded BLOOM-176B whose allocation order differs from its "
+                    "trace before any timing (issue 12)")
 _PHASES = ("jobs outside the ledger (tp; untested there: the MoE auxiliary loss, Ulysses on GPT-2 / NeoX or under the "
            "Trainer): the phase lists do not simulate the caching allocator, so their reserved figure is a rule of thumb")
-_CHECK = ("the held-out split is judged, never studied: its reserved figure is far under on ZeRO-3 jobs "
-          "(ZeRO-3's cross-stream frees, issue 12)")
+_CHECK = ("the held-out split is judged, never studied: ZeRO-1/2 rows (DeepSeek, BLOOM LoRA, Mixtral) and ZeRO-3 "
+          "rows with overlap_comm off or offloaded parameters are still 8-14 % under (issue 12)")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("tuned-ledger", "reserved worst"): _RESERVED_LEDGER,
     ("tuned-ledger", "reserved under"): _RESERVED_LEDGER,
@@ -72,7 +75,8 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
 def _bar_values(points):
     median, worst = summary(points)
     n, rmedian, rworst, under = reserved_summary(points)
-    judged = [p for p in points if not (p.reserved_lower_bound and p.reserved_error is None)]
+    judged = [p for p in points
+              if not ((p.reserved_lower_bound or p.reserved_upper_bound) and p.reserved_error is None)]
     assert n == len(judged), "every measured point records its reserved peak"
     return {"allocated median": (median, ALLOC_MEDIAN), "allocated worst": (worst, ALLOC_WORST),
             "reserved median": (rmedian, RESERVED_MEDIAN), "reserved worst": (rworst, RESERVED_WORST),
@@ -178,6 +182,18 @@ def test_a_reserved_peak_measured_through_allocator_retries_judges_only_an_under
     assert Comparison(**base, predicted_reserved_bytes=220).reserved_error == pytest.approx(0.1)
 
 
+def test_zero3_reserved_measured_alone_within_the_median_bar(comparisons):
+    """ZeRO-3's reserved figure times its record_stream frees on the row's GPU (estimator.gpu_time): held, both
+    ways, on the ZeRO-3 points nothing shared the GPU with (every split: benchmarks/accuracy/README.md lists
+    which were studied); the shared ones judge only an over-prediction (Comparison.reserved_upper_bound)."""
+    alone = [c for c in comparisons if c.predicted_reserved_behind_bytes is not None and not c.reserved_upper_bound]
+    assert len(alone) >= 40, f"only {len(alone)} ZeRO-3 points measured alone"
+    n, median, _worst, _under = reserved_summary(alone)
+    assert n == len(alone) and median <= RESERVED_MEDIAN, f"median {median:.2%}"
+    shared = [c for c in comparisons if c.reserved_upper_bound]
+    assert all(c.reserved_error is None or c.reserved_error >= 0 for c in shared)
+
+
 def test_the_gpu_behind_bound_is_never_more_than_the_bar_under_a_measured_zero3_reserved(comparisons):
     """The verdicts' figure under ZeRO-3 (estimator.gpu_behind: DeepSpeed's record_stream frees held to the next
     synchronization) on every measured point that has one, every split: a bound, so it may sit above the
@@ -187,3 +203,13 @@ def test_the_gpu_behind_bound_is_never_more_than_the_bar_under_a_measured_zero3_
     assert all(c.predicted_reserved_behind_bytes >= c.predicted_reserved_bytes for c in points)
     worst = min(points, key=lambda c: c.behind_error)
     assert worst.behind_error >= -RESERVED_UNDER, (worst.name, f"{worst.behind_error:+.2%}")
+
+
+def test_a_shared_gpu_zero3_reserved_judges_only_an_over():
+    """A ZeRO-3 row measured beside other processes fell further behind than alone: its reserved is an upper
+    bound, so a prediction under it is not judged (None) and one over it is."""
+    base = {"name": "j", "measured_bytes": 100, "predicted_bytes": 100, "measured_phase": None,
+            "predicted_phase": "p", "measured_reserved_bytes": 200, "reserved_upper_bound": True}
+    assert Comparison(**base, predicted_reserved_bytes=180).reserved_error is None
+    assert Comparison(**base, predicted_reserved_bytes=220).reserved_error == pytest.approx(0.1)
+    assert Comparison(**{**base, "reserved_upper_bound": False}, predicted_reserved_bytes=180).reserved_error == -0.1

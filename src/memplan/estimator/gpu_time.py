@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..ledger import EMPTY_CACHE, NO_WAIT, STREAM_WAIT, SYNC, Ledger, Mark
-from .timing import ATTENTION_CUDNN, ATTENTION_EFFICIENT, ATTENTION_FLASH, GEMM, GEMM_FP32
+from .timing import ATTENTION_CUDNN, ATTENTION_EFFICIENT, ATTENTION_FLASH, GEMM, GEMM_FP32, H2D
 
 #: CUDA's launch queue: the 1022nd launch behind a busy kernel blocks (benchmarks/allocator/gpu/launch_queue.json)
 LAUNCH_QUEUE = 1021
@@ -54,6 +54,9 @@ ATTENTION_EFFICIENCY = {ATTENTION_CUDNN: 0.579, ATTENTION_FLASH: 0.296, ATTENTIO
 MEMORY_EFFICIENCY = 0.89
 #: the shortest a kernel takes, back to back (2000 one-element adds)
 KERNEL_FLOOR_S = 6.8e-6
+#: the share of the host link's rate a copy from pinned host memory reaches (not measured here: plan.perf's
+#: PerfAssumptions.pcie_efficiency, nvbandwidth's host-to-device figure on PCIe 5 is about 80 % of 64 GB/s)
+H2D_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,7 @@ class GpuRates:
     gemm_fp32: float
     attention: tuple[float, float, float]  # ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT
     memory: float
+    host_link: float = 25e9  # bytes per second of a copy from pinned host memory
 
     @classmethod
     def of(cls, gpu) -> GpuRates:
@@ -75,14 +79,18 @@ class GpuRates:
         bf16 = (gpu.bf16_tflops or ref.bf16_tflops) * 1e12
         fp32 = (gpu.fp32_tflops or ref.fp32_tflops) * 1e12
         hbm = float(gpu.hbm_bytes_per_s or ref.hbm_bytes_per_s)
+        link = float(gpu.pcie_bytes_per_s or ref.pcie_bytes_per_s)
         return cls(bf16 * GEMM_EFFICIENCY, fp32 * GEMM_FP32_EFFICIENCY,
                    tuple(bf16 * ATTENTION_EFFICIENCY[k] for k in (ATTENTION_CUDNN, ATTENTION_FLASH,
-                                                                  ATTENTION_EFFICIENT)), hbm * MEMORY_EFFICIENCY)
+                                                                  ATTENTION_EFFICIENT)), hbm * MEMORY_EFFICIENCY,
+                   link * H2D_EFFICIENCY)
 
     def seconds(self, kernel: int, flops: float, nbytes: int) -> float:
         """How long one record's kernels run."""
         if not flops and not nbytes:
             return 0.0
+        if kernel == H2D:
+            return nbytes / self.host_link + KERNEL_FLOOR_S
         moving = nbytes / self.memory
         if kernel == GEMM:
             return max(flops / self.gemm + GEMM_FIXED_S, moving)
@@ -162,7 +170,7 @@ def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float
                     finish[k] = gpu
                 else:
                     if dur:
-                        running = gpu if SIDE_AFTER_QUEUE else (queue[0][1] if queue and queue[0][0] <= cpu else cpu)
+                        running = gpu if SIDE_AFTER_QUEUE else queue[0][1] if queue and queue[0][0] <= cpu else cpu
                         side = max(side, cpu, running) + dur
                     finish[k] = side
             elif wkernel[k] == STREAM_WAIT:

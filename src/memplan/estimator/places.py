@@ -19,6 +19,7 @@ system when freed.
 from __future__ import annotations
 
 from ..ledger import Ledger
+from .timing import H2D
 
 #: ledger component of host tensors; a pinned one's component carries the PINNED prefix
 HOST = "host"
@@ -56,11 +57,18 @@ class Places:
         """``pin_memory(torch.zeros(n, device="cpu"))`` (or the pageable tensor itself without pin_memory)."""
         return self.pin(self.host_alloc(name, nbytes, component), pin_memory)
 
-    def to_device(self, name: str, nbytes: int, component: str, stream: int = 0) -> int | None:
-        """``t.to(device)`` of a host tensor: a new GPU tensor (None on the CPU accelerator, where it is ``t``)."""
+    def to_device(self, name: str, nbytes: int, component: str, stream: int = 0, blocking: bool = True
+                  ) -> int | None:
+        """``t.to(device)`` of a host tensor: a new GPU tensor (None on the CPU accelerator, where it is ``t``), and
+        its copy over the host link on ``stream``, which the host waits for unless ``non_blocking`` (``blocking``
+        False): copy_ with non_blocking=False synchronizes the stream after cudaMemcpyAsync (timing.H2D)."""
         if self.cpu_run:
             return None
-        return self.dev.alloc(name, nbytes, component, stream)
+        tid = self.dev.alloc(name, nbytes, component, stream)
+        copy = self.dev.work(0.0, 0.0, nbytes, H2D, stream)
+        if blocking:
+            self.dev.wait(copy)
+        return tid
 
     def free_dev(self, tid: int | None) -> None:
         if tid is not None:

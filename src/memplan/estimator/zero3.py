@@ -50,7 +50,8 @@ from .places import Places
 from .timing import CPU_Z3_GRAD_S, CPU_Z3_REDUCE_S, MEMORY
 from .zero3_params import Zero3Params
 
-#: the optimizer's reduce_and_partition_stream (a new CUDA stream)
+#: the optimizer's reduce_and_partition_stream: a new CUDA stream, or with overlap_comm off the default stream
+#: (DeepSpeedZeroOptimizer_Stage3.__init__: ``Stream() if overlap_comm else default_stream()``)
 REDUCE_STREAM = 1
 FP32, FP64 = 4, 8
 #: _constant_buffered_norm2's default buffer_size (elements per fp64 piece)
@@ -83,6 +84,7 @@ class Zero3(Zero3Params):
         super().__init__(places, names, numels, n, b, zero, widths)
         self.g, self.opt, self.comm_b, self.ga, self.fp16 = g, optimizer, comm_bytes, grad_accum, fp16
         self.trainable = trainable
+        self.reduce_stream = REDUCE_STREAM if zero.overlap else 0
         self.trained = [k for k in names if k in trainable]
         self.rbs, self.sub_group = zero.reduce_bucket_size, zero.sub_group_size
         self.contiguous = zero.contiguous_gradients  # the IPG buffer exists (stage3.py: if contiguous_gradients)
@@ -200,7 +202,7 @@ class Zero3(Zero3Params):
             # bucket (in the communication dtype) and records it: param.grad.record_stream(the reduce stream)
             self.L.work(CPU_Z3_GRAD_S, 0.0, grad.nbytes + self.comm_b * numel, MEMORY)
             if grad.storage is not None:
-                self.L.record_stream(grad.storage.tid, REDUCE_STREAM)
+                self.L.record_stream(grad.storage.tid, self.reduce_stream)
             ag.release(grad)  # copied into the bucket; param.grad views it
             self.bucket_params.append((name, None))
         else:
@@ -211,7 +213,7 @@ class Zero3(Zero3Params):
         """__reduce_and_partition_ipg_grads (see the module docstring)."""
         if not self.bucket_params:
             return
-        L, s = self.L, REDUCE_STREAM
+        L, s = self.L, self.reduce_stream
         if len(self.reduce_events) > MAX_PARAM_REDUCE_EVENTS:  # param_reduce_events.popleft().synchronize()
             L.wait(self.reduce_events.popleft())
         bucket = sorted(self.bucket_params, key=lambda kv: self.rank_of[kv[0]])
@@ -251,7 +253,7 @@ class Zero3(Zero3Params):
 
     def _partition_grads(self, ag: Autograd, bucket, holds_grad: bool) -> None:
         """partition_grads: each partition into grad_partitions_flat_buffer (via the GPU under offload)."""
-        P, L, s = self.P, self.L, REDUCE_STREAM
+        P, L, s = self.P, self.L, self.reduce_stream
         boundary = self.forwards % self.ga == 0
         staging = None
         nvme_fp32 = []
@@ -260,7 +262,8 @@ class Zero3(Zero3Params):
             staging = None
             n = self.part[k]
             if self.offload_opt:
-                staging = P.to_device(f"{k} (grad partition on the GPU)", self.g * n, "offload_staging", s)
+                staging = P.to_device(f"{k} (grad partition on the GPU)", self.g * n, "offload_staging", s,
+                                      blocking=False)  # grad_buffer.to(device, non_blocking=True)
                 if boundary:  # _offload_grad_partition_at_boundary
                     left = n
                     while left > 0:  # _constant_buffered_norm2
@@ -270,6 +273,8 @@ class Zero3(Zero3Params):
                     cast = L.alloc("zero3.offload_grad_fp32", FP32 * n, "offload_staging", s)
                     nvme_fp32.append(cast) if self.nvme_opt else L.free(cast)
             if kept is not None and not holds_grad:
+                if kept.storage is not None:  # partition_grads: param.grad.record_stream(the reduce stream)
+                    L.record_stream(kept.storage.tid, s)
                 ag.release(kept)  # param.grad = None
         for c in nvme_fp32:  # after _swap_out_offload_fp32_gradients
             L.free(c)
@@ -306,7 +311,7 @@ class Zero3(Zero3Params):
             alloc, free = self.P.host_alloc, self.P.free_host
         else:
             def alloc(name, nbytes):
-                return self.L.alloc(name, nbytes, "optimizer_step_transient", REDUCE_STREAM)
+                return self.L.alloc(name, nbytes, "optimizer_step_transient", self.reduce_stream)
             free = self.L.free
         absolute = alloc("zero3.isinf.abs", self.g * total)
         inf = alloc("zero3.isinf", total)

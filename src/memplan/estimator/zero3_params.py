@@ -46,7 +46,8 @@ from .timing import (
 )
 from .transformer import ModuleHooks
 
-#: the coordinator's __allgather_stream (a new CUDA stream)
+#: the coordinator's __allgather_stream: a new CUDA stream, or with overlap_comm off the default stream
+#: (DeepSpeedZeRoOffload.__init__: ``Stream() if overlap_comm else default_stream()``)
 ALLGATHER_STREAM = 2
 #: _fetch_sub_module_impl synchronizes the oldest all-gather event once more than this many are pending
 #: (PartitionedParameterCoordinator.__max_ongoing_fetch_events)
@@ -61,6 +62,7 @@ class Zero3Params(ModuleHooks):
     def __init__(self, places: Places, names: list[str], numels: list[int], n: int, b: int, zero,
                  widths: dict[str, int] | None = None):
         self.P, self.L, self.n, self.b = places, places.dev, n, b
+        self.ag_stream = ALLGATHER_STREAM if zero.overlap else 0
         #: bytes per element of each parameter: ``b`` unless ``widths`` says otherwise (peft's fp32 adapters on a
         #: 16-bit base: lora.adapter_dtype_bytes)
         self.w = {k: (widths or {}).get(k, b) for k in names}
@@ -76,7 +78,8 @@ class Zero3Params(ModuleHooks):
         #: parameter-less modules above the *ForCausalLM (peft's PeftModelForCausalLM and LoraModel: program._engine)
         self.wrapper_modules = 0
         self.avail: dict[str, int | None] = {}  # name → ledger id of its gathered storage (None: a view)
-        self.inflight: dict[str, list] = {}  # name → its handle [flat id, names not popped, names to copy]
+        #: name → its handle [flat ids, names not popped, names to copy out, whether its wait synchronizes the stream]
+        self.inflight: dict[str, list] = {}
         self.n_avail = 0
         self.complete = False
         self.trace_modules: list[tuple[str, ...]] = []  # params of each fetched module, in order
@@ -160,19 +163,21 @@ class Zero3Params(ModuleHooks):
                       key=self.rank_of.__getitem__)
         if not todo:
             return
-        L, w, s = self.L, self.w, ALLGATHER_STREAM
+        L, w, s = self.L, self.w, self.ag_stream
         L.work(CPU_Z3_GATHER_S * len(todo))  # each parameter's gather, wait and release in the coordinator
         self.n_avail += sum(self.numel[p] for p in todo)
-        if self.n == 1:  # _no_gather_coalesced: param.data = ds_tensor.to(device)
+        if self.n == 1:  # _no_gather_coalesced: NoGatherHandle, param.data = ds_tensor.to(device, non_blocking=True)
+            handle = [[], set(todo), [], True]  # its wait synchronizes the current (all-gather) stream
             for p in todo:
-                self.avail[p] = (self.P.to_device(f"{p} (gathered)", w[p] * self.numel[p], "params_gathered", s)
-                                 if self.offload_param else None)
+                self.avail[p] = (self.P.to_device(f"{p} (gathered)", w[p] * self.numel[p], "params_gathered", s,
+                                                  blocking=False) if self.offload_param else None)
+                self.inflight[p] = handle
             return
         if len(todo) == 1:  # _all_gather_sequential: the buffer is the parameter, in flight until waited
             p = todo[0]
             self.avail[p] = L.alloc(f"{p} (gathered)", w[p] * self.part[p] * self.n, "params_gathered", s)
             self._free_all(self._h2d(todo, s))
-            self.inflight[p] = [[], {p}, []]
+            self.inflight[p] = [[], {p}, [], False]
             return
         # _all_gather_coalesced: one _all_gather_dtype flat buffer per communication dtype, in sort_dtypes order
         # (str(dtype): bfloat16 and float16 before float32, peft's fp32 adapters last), ds_id order within each
@@ -183,7 +188,7 @@ class Zero3Params(ModuleHooks):
             flats.append(L.alloc("zero3.allgather_flat", self.n * local, "params_gathered", s))
             L.work(0.0, 0.0, 2 * local, MEMORY, s)  # torch.cat(partitions, out=flat's own slice)
             self._free_all(self._h2d(group, s))  # torch.cat(..., out=partition) of the copies
-        handle = [flats, set(todo), [p for group in groups for p in group]]
+        handle = [flats, set(todo), [p for group in groups for p in group], False]
         for p in todo:
             self.inflight[p] = handle
 
@@ -197,17 +202,19 @@ class Zero3Params(ModuleHooks):
             return
         if fetching and len(self.fetch_events) > MAX_ONGOING_FETCH_EVENTS:
             self.L.wait(self.fetch_events.popleft())
+        if handle[3]:  # NoGatherHandle.wait: current_stream().synchronize()
+            self.L.wait(self.L.work(0.0, stream=self.ag_stream))
         if handle[2]:  # AllGatherCoalescedHandle.wait: every parameter copied out at the first wait
             copied = 0
             for p in handle[2]:
                 self.avail[p] = self.L.alloc(f"{p} (gathered)", self.w[p] * self.numel[p], "params_gathered",
-                                             ALLGATHER_STREAM)
+                                             self.ag_stream)
                 copied += self.w[p] * self.numel[p]
             # torch.cat(partitions): the copies out of the flat buffer (read and write), on the all-gather stream
-            self.L.work(0.0, 0.0, 2 * copied, MEMORY, ALLGATHER_STREAM)
+            self.L.work(0.0, 0.0, 2 * copied, MEMORY, self.ag_stream)
             handle[2] = []
         if fetching:
-            self.fetch_events.append(self.L.work(0.0, stream=ALLGATHER_STREAM))
+            self.fetch_events.append(self.L.work(0.0, stream=self.ag_stream))
         handle[1].discard(name)
         if not handle[1]:  # MultipleAllGatherHandles' list dies last item first (CPython list_dealloc)
             for flat in reversed(handle[0]):
@@ -261,7 +268,8 @@ class Zero3Params(ModuleHooks):
         for p in params:
             self._wait(p, fetching=True)
         # current_stream().wait_stream(the all-gather stream)
-        self.L.stream_wait(self.L.work(0.0, stream=ALLGATHER_STREAM))
+        if self.ag_stream:
+            self.L.stream_wait(self.L.work(0.0, stream=self.ag_stream))
         if self.complete:
             pending = {p for p in params if self.recent.get(p, -10**12) < self.step_id}
             discarded: set[str] = set()
