@@ -195,9 +195,9 @@ def test_zero3_reserved_measured_alone_within_the_median_bar(comparisons):
 
 
 def test_the_gpu_behind_bound_is_never_more_than_the_bar_under_a_measured_zero3_reserved(comparisons):
-    """The verdicts' figure under ZeRO-3 (estimator.gpu_behind: DeepSpeed's record_stream frees held to the next
-    synchronization) on every measured point that has one, every split: a bound, so it may sit above the
-    measurement (the table prints by how much) but never more than the reserved bar's 3 % under it."""
+    """The GPU-behind bound under ZeRO-3 (estimator.gpu_behind: DeepSpeed's record_stream frees held to the next
+    synchronization) on every measured point that has one, every split, shared GPU or not: a bound, so it may sit
+    above the measurement (the table prints by how much) but never more than the reserved bar's 3 % under it."""
     points = [c for c in comparisons if c.behind_error is not None]
     assert len(points) >= 400, f"only {len(points)} ZeRO-3 points with a GPU-behind bound"
     assert all(c.predicted_reserved_behind_bytes >= c.predicted_reserved_bytes for c in points)

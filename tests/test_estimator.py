@@ -232,9 +232,10 @@ def test_fp16_optimizer_states_exist_before_any_step():
     assert states(2, 1) == {0}
 
 
-def test_zero3_says_its_reserved_assumes_the_gpu_keeps_up():
-    """ZeRO-3's record_stream frees complete when the GPU catches up, which the ledger does not time: the output
-    says so (benchmarks/accuracy/README.md, "ZeRO-3 jobs run alone"); ZeRO-2 makes no such frees."""
+def test_zero3_says_its_reserved_is_timed_on_one_gpu():
+    """ZeRO-3's record_stream frees complete when the GPU catches up, which the estimate times on one GPU
+    (estimator.gpu_time): the output says so and names the bound for a GPU further behind; ZeRO-2 makes no such
+    frees."""
     from memplan.estimator import measurement_notes
 
     def said(stage):

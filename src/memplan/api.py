@@ -19,9 +19,12 @@ def estimate(
     """Predict the per-GPU memory of ``job``: peak allocated / reserved, the breakdown at the peak,
     the timeline of phases, and host RAM / NVMe per node for offload.
 
-    ``target_bytes`` and ``gpu_bytes`` only set the verdicts (fits_target, fits_gpu).
+    ``target_bytes`` and ``gpu_bytes`` set the verdicts (fits_target, fits_gpu); ``gpu_name``, a preset
+    (memplan.gpus), is also the GPU the job's kernels are timed on (how far it runs behind the host sets ZeRO-3's
+    reserved memory: memplan.estimator.gpu_time); a bare size or none times them on the reference GPU.
     """
     from .estimator import estimate_job
+    from .gpus import timing_gpu
 
-    est = estimate_job(job)
+    est = estimate_job(job, timing_gpu(gpu_name))
     return est.model_copy(update={"target_bytes": target_bytes, "gpu_name": gpu_name, "gpu_bytes": gpu_bytes})

@@ -151,3 +151,12 @@ def gpu_of_device(device_name: str | None) -> GpuSpec:
     family = [g for g in GPU_PRESETS if g.name.split("-")[0] in key]
     sized = [g for g in family if "-" in g.name and g.name.split("-")[1].rstrip("g") + "gb" in key]
     return (sized or family or [reference_gpu()])[0]
+
+
+def timing_gpu(name: str | None) -> GpuSpec | None:
+    """The preset an estimate times its GPU work on (memplan.estimator.gpu_time) for a --gpu value: the named
+    preset, or None (the reference GPU) for a bare capacity or none."""
+    if not name:
+        return None
+    key = _key(name)
+    return next((g for g in GPU_PRESETS if key == g.name or key in g.aliases), None)

@@ -230,12 +230,12 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
         from ..megatron import measurement_notes as megatron_notes
 
         notes += megatron_notes(job)
-    if z.stage == 3 and in_ledger:
+    if z.stage == 3 and in_ledger and z.overlap:
         notes.append("ZeRO-3: DeepSpeed frees gathered parameters and reduced gradients with record_stream, so the "
-                     "caching allocator reuses them only once the GPU has caught up. Peak reserved assumes it keeps "
-                     "up; where the GPU falls behind the CPU (wide layers, long sequences, fp32, a shared GPU) torch "
-                     "reserves more, up to the GPU-behind figure (the frees waiting for the next synchronization), "
-                     "which the verdicts use. Allocated memory is not affected")
+                     "caching allocator reuses them only once the GPU has caught up; peak reserved times that on "
+                     "the --gpu (H200 when none is named) alone and with the host measured in benchmarks/timing "
+                     "(estimator/gpu_time.py). A busier or slower GPU falls further behind and reserves more, up "
+                     "to peak_reserved_gpu_behind_bytes (a whole phase behind); allocated memory is not affected")
     if "nvme" in (z.offload_optimizer, z.offload_param):
         notes.append("NVMe offload is modelled from DeepSpeed's code but not measured (no NVMe rows)")
     if t.checkpointing == "selective":

@@ -27,14 +27,14 @@ from .space import ATTENTION_ORDER, CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanSpac
 PeakFn = Callable[[Job], "object"]
 
 
-def default_peak_fn() -> PeakFn:
+def default_peak_fn(gpu=None) -> PeakFn:
     """The estimator's figure for one job: memplan.estimator.quick_peak (no typed breakdown; the allocation
-    ledger where it models the job)."""
+    ledger where it models the job), timed on ``gpu`` (a memplan.gpus.GpuSpec; None: the reference GPU)."""
     from ..estimator import quick_peak
     from ..estimator.pipeline import steady_state_job
 
     def peak(job: Job, **kw):  # a pipeline candidate through its steady state (pipeline.steady_state_job)
-        return quick_peak(steady_state_job(job), **kw)
+        return quick_peak(steady_state_job(job), gpu=gpu, **kw)
 
     return peak
 
@@ -318,7 +318,9 @@ def search(space: PlanSpace, peak_fn: PeakFn | None = None, prune: bool = True, 
     confirmed by the estimator (``exact_fn``, default_peak_fn; memplan.plan.confirm); a given ``peak_fn`` is
     taken as the estimator itself (nothing to confirm) unless ``exact_fn`` is given too."""
     if peak_fn is None:
-        peak_fn, exact_fn = default_screen_fn(), exact_fn or default_peak_fn()
+        from ..gpus import timing_gpu
+
+        peak_fn, exact_fn = default_screen_fn(), exact_fn or default_peak_fn(timing_gpu(space.hardware.name))
     evaluate = _Evaluator(space, peak_fn, confirming=exact_fn is not None)
     notes: tuple[str, ...] = ()
     if "selective" in space.checkpointing and not _selective_modelled(evaluate):
