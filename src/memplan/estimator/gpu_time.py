@@ -6,8 +6,9 @@ the block back to the free lists only once those events have completed, which it
 later malloc (process_events) and at empty_cache (synchronize_and_free_events). Under ZeRO-3 DeepSpeed frees two
 kinds of tensor that way: every gathered parameter (partition_parameters.py free_param,
 ``param.data.record_stream(current_stream())``: the buffer was gathered on the all-gather stream) and every
-gradient copied into the IPG bucket (stage3.py __add_grad_to_ipg_bucket, ``param.grad.record_stream`` of the
-reduce stream, which waits for the compute stream first). So a free completes at the first malloc the host makes
+gradient handed to the reduce stream (stage3.py __add_grad_to_ipg_bucket and partition_grads,
+``param.grad.record_stream`` of the reduce stream, which waits for the compute stream first); with overlap_comm off
+both streams are the default one and nothing is deferred. So a free completes at the first malloc the host makes
 after the GPU has run every kernel queued before the free.
 
 ``timed(L, rates)`` replays the host and the GPU over the ledger's work records (estimator/timing.py): the host's
@@ -16,14 +17,15 @@ clock advances by each record's seconds and waits where the record says (an even
 ``torch.cuda.synchronize()``; empty_cache synchronizes); each record's kernels start when the GPU is free and the
 host has launched them, and run for max(operations / rate, bytes / bandwidth) plus a launch's minimum. CUDA's
 launch queue holds 1021 kernels (benchmarks/allocator/gpu/launch_queue.json): the host blocks at the next launch
-until the oldest has run. A deferred free completes at the GPU time its record's queue drains to; the returned
+until the oldest has run. A deferred free completes at the compute stream's time when it was made; the returned
 ledger moves it to just before the first allocation the host makes at or after that time. Allocations keep their
 order; only peak reserved is read from it (allocated bytes drop at the free's request, where the plain ledger has
-it). The streams are one queue here: the all-gather stream's work waits for nothing but is tiny under the fake
-process group, and the reduce stream waits for the compute stream before each grad's copy.
+it). The reduce stream is the compute stream's queue here (it waits for it before each grad it takes); the
+all-gather stream is a second queue whose kernels (copies out of the flat buffer, host-link copies) start once the
+compute kernel running at their launch ends, and the compute stream waits for it after each fetch.
 
 ``GpuRates`` turns operations and bytes into seconds for one GPU (memplan.gpus presets): the datasheet's rates
-times the shares a training job's kernels reach, measured on the reference H200 (benchmarks/timing/).
+times the shares training kernels reach, measured on an H100 (benchmarks/timing/README.md).
 """
 
 from __future__ import annotations
@@ -126,8 +128,7 @@ def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float
     """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
     reached). The compute stream (0, and the reduce stream, which waits for it before every grad it takes) runs
     its kernels in order; a kernel on another stream (the all-gather stream's copies) starts once that stream is
-    free, the host has launched it and the compute kernel running at its launch has ended (the GPU's scheduler
-    starts another stream's kernel when SMs free up, not beside a kernel that fills them)."""
+    free, the host has launched it and the compute kernel running at its launch has ended (SIDE_AFTER_QUEUE)."""
     used = L.stream_used
     events, wat, wcpu, wflops, wbytes = L.events, L.work_at, L.work_cpu_s, L.work_flops, L.work_bytes
     wkernel, wstream, wwait = L.work_kernel, L.work_stream, L.work_wait
