@@ -77,7 +77,7 @@ class Autograd(BackwardEngine):
         self.nodes: list[Node] = []
         self.grad_enabled = True
         self.on_param_grad = on_param_grad or (lambda param, grad: self.release(grad))
-        self.before_matmul: Callable[[], None] | None = None  # called once, before the first matmul
+        self.before_matmul: Callable[[], None] | None = None  # called once, after the first matmul's output
         #: called once, by the first matmul a backward runs, after its output is allocated: the autograd
         #: engine's device thread gets its own cuBLAS handle (CublasHandlePool.cpp getCurrentCUDABlasHandle is
         #: per thread), whose workspace the handle's first gemm allocates
@@ -236,6 +236,14 @@ class Autograd(BackwardEngine):
         if last:
             self.suppress = True
         return out
+
+    def first_matmul(self) -> None:
+        """A cuBLAS call has just had its output allocated: the thread's first one creates its handle, whose
+        workspace comes from the caching allocator then (CublasHandlePool.cpp getCurrentCUDABlasHandle, called by
+        the gemm after the structured kernel allocated its result): before_matmul, once."""
+        if self.before_matmul is not None and not self.suppress:
+            hook, self.before_matmul = self.before_matmul, None
+            hook()
 
     def recompute_stops_at_next_op(self) -> bool:
         """Whether a checkpoint's recompute ends at the next op that records a node (it packs that op's inputs

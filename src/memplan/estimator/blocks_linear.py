@@ -63,10 +63,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
                                                                     else ())
     if weight.param is None and not keeps_input:  # a computed weight (peft's ParamWrapper): MmBackward0
         saved = saved[::-1]  # releases mat2_ (the weight) before self_; a parameter's release frees no bytes
-    if ag.before_matmul is not None:  # the first cuBLAS call creates its handle's workspaces
-        hook, ag.before_matmul = ag.before_matmul, None
-        hook()
     out = ag.op(name, out_bytes, inputs, saved, backward, flops=gemm_flops(in_bytes, w_bytes, out_bytes, ag.elem_bytes))
+    ag.first_matmul()  # its output is allocated before the gemm asks for the thread's cuBLAS handle
     if bias is not None and bias.requires_grad and cuda_bytes and out.node is not None:
         from .cuda_reduce import sum_rows_staging
 

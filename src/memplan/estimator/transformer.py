@@ -349,6 +349,7 @@ def rotary(ag: Autograd, m: ModelSpec, s: Shape, dim: int | None = None, cast: b
     with_grad, ag.grad_enabled = ag.grad_enabled, False
     pos = ag.empty("rope.positions", B.FP32 * rows * s.seq)
     freqs = ag.empty("rope.freqs", B.FP32 * rows * (d // 2) * s.seq)
+    ag.first_matmul()  # inv_freq @ positions: a bmm, the forward's first cuBLAS call in a rotary model
     emb = ag.empty("rope.emb", B.FP32 * rows * s.seq * d)
     out = []
     for which in ("cos", "sin"):
