@@ -12,9 +12,9 @@ structure, so predicted and measured compare event by event.
 
 Storage is columnar for speed (a 96-layer job is tens of thousands of events): tensor ``i`` is
 ``names[i]``, ``sizes[i]``, ``components[i]``, ``streams[i]``; ``events`` holds ``i`` for its allocation and
-``~i`` (negative) for its free. ``stream_used`` holds the tensors another stream used (``Tensor.record_stream``):
-the caching allocator reuses their blocks only once that stream has passed the use, so their frees complete
-when the GPU catches up, not when Python drops them (memplan.estimator.gpu_time).
+``~i`` (negative) for its free. ``stream_used`` maps the tensors another stream used (``Tensor.record_stream``) to
+that stream: the caching allocator reuses their blocks only once that stream has passed the use, so their frees
+complete when the GPU catches up, not when Python drops them (memplan.estimator.gpu_time).
 
 Work records say when that is: record ``k`` sits before ``events[work_at[k]]`` and is what the host did there —
 ``work_cpu_s[k]`` seconds of Python and dispatch, then kernels of ``work_flops[k]`` operations and
@@ -74,7 +74,7 @@ class Ledger:
         self.streams: list[int] = []
         self.events: list[int] = []
         self.marks: list[Mark] = []
-        self.stream_used: set[int] = set()
+        self.stream_used: dict[int, int] = {}
         self.work_at: list[int] = []
         self.work_cpu_s: list[float] = []
         self.work_flops: list[float] = []
@@ -109,7 +109,7 @@ class Ledger:
         ``stream`` has passed this point (CUDACachingAllocator's recordStream, insert_events, process_events); a
         use on the stream it was allocated on is ignored there, and here."""
         if stream != self.streams[tid]:
-            self.stream_used.add(tid)
+            self.stream_used[tid] = stream
 
     def work(self, cpu_s: float, flops: float = 0.0, nbytes: int = 0, kernel: int = 0, stream: int = 0) -> int:
         """The host spends ``cpu_s`` here, then queues kernels of ``flops`` operations and ``nbytes`` bytes of
@@ -122,10 +122,10 @@ class Ledger:
         recorded after them); ``record`` SYNC waits for everything queued (``torch.cuda.synchronize()``)."""
         self._record(cpu_s, 0.0, 0, HOST_WAIT, record, 0)
 
-    def stream_wait(self, record: int) -> None:
-        """The compute stream runs nothing queued after this until work record ``record`` (on another stream)
-        has run (``current_stream().wait_stream(other)``); the host does not wait."""
-        self._record(0.0, 0.0, 0, STREAM_WAIT, record, 0)
+    def stream_wait(self, record: int, stream: int = 0) -> None:
+        """``stream`` (default the compute stream) runs nothing queued after this until work record ``record`` (on
+        another stream) has run (``stream.wait_stream(other)``); the host does not wait."""
+        self._record(0.0, 0.0, 0, STREAM_WAIT, record, stream)
 
     def _record(self, cpu_s: float, flops: float, nbytes: int, kernel: int, wait: int, stream: int) -> int:
         self.work_at.append(len(self.events))

@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..ledger import EMPTY_CACHE, NO_WAIT, STREAM_WAIT, SYNC, Ledger, Mark
-from .timing import ATTENTION_CUDNN, ATTENTION_EFFICIENT, ATTENTION_FLASH, GEMM, GEMM_FP32, H2D
+from .timing import ATTENTION_CUDNN, ATTENTION_EFFICIENT, ATTENTION_FLASH, GEMM, GEMM_FP32, HOST_LINK
 
 #: CUDA's launch queue: the 1022nd launch behind a busy kernel blocks (benchmarks/allocator/gpu/launch_queue.json)
 LAUNCH_QUEUE = 1021
@@ -58,7 +58,7 @@ MEMORY_EFFICIENCY = 0.89
 KERNEL_FLOOR_S = 6.8e-6
 #: the share of the host link's rate a copy from pinned host memory reaches (not measured here: plan.perf's
 #: PerfAssumptions.pcie_efficiency, nvbandwidth's host-to-device figure on PCIe 5 is about 80 % of 64 GB/s)
-H2D_EFFICIENCY = 0.8
+HOST_LINK_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +85,13 @@ class GpuRates:
         return cls(bf16 * GEMM_EFFICIENCY, fp32 * GEMM_FP32_EFFICIENCY,
                    tuple(bf16 * ATTENTION_EFFICIENCY[k] for k in (ATTENTION_CUDNN, ATTENTION_FLASH,
                                                                   ATTENTION_EFFICIENT)), hbm * MEMORY_EFFICIENCY,
-                   link * H2D_EFFICIENCY)
+                   link * HOST_LINK_EFFICIENCY)
 
     def seconds(self, kernel: int, flops: float, nbytes: int) -> float:
         """How long one record's kernels run."""
         if not flops and not nbytes:
             return 0.0
-        if kernel == H2D:
+        if kernel == HOST_LINK:
             return nbytes / self.host_link + KERNEL_FLOOR_S
         moving = nbytes / self.memory
         if kernel == GEMM:
@@ -126,9 +126,10 @@ def phase_seconds(L: Ledger, rates: GpuRates) -> list[tuple[str, float]]:
 
 def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float]]:
     """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
-    reached). The compute stream (0, and the reduce stream, which waits for it before every grad it takes) runs
-    its kernels in order; a kernel on another stream (the all-gather stream's copies) starts once that stream is
-    free, the host has launched it and the compute kernel running at its launch has ended (SIDE_AFTER_QUEUE)."""
+    reached). Each stream is a clock: the compute stream (0) runs its kernels in order; a kernel on another stream
+    (the reduce stream 1, the all-gather stream 2) starts once that stream is free, the host has launched it and the
+    compute kernel running at its launch has ended (SIDE_AFTER_QUEUE). A STREAM_WAIT record holds its stream to
+    another record's end; a deferred free completes at the clock of the stream that used the tensor."""
     used = L.stream_used
     events, wat, wcpu, wflops, wbytes = L.events, L.work_at, L.work_cpu_s, L.work_flops, L.work_bytes
     wkernel, wstream, wwait = L.work_kernel, L.work_stream, L.work_wait
@@ -137,63 +138,72 @@ def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float
     seconds = rates.seconds
     finish = [0.0] * len(wat)  # GPU time each record's kernels end
     queue: deque[tuple[float, float]] = deque()  # (start, end) of launched compute kernels, oldest first
-    cpu = gpu = side = 0.0  # the host's clock, when the compute stream and the side stream are free
+    cpu = 0.0  # the host's clock
+    clock = {0: 0.0}  # per stream: when its last queued kernel ends
     out: list[int] = []
-    pending: deque[tuple[float, int]] = deque()  # (GPU time the free's events complete, the free)
+    pending: dict[int, deque[tuple[float, int]]] = {}  # per using stream: (its clock at the free, the free)
     new_marks: list[Mark] = []
     reached: list[float] = []
     k = m = 0
     n_work, n_marks = len(wat), len(marks)
+
+    def release(upto: float | None) -> None:
+        """process_events: the pending frees whose events have completed by ``upto`` (all when None); each
+        stream's complete in the order they were made."""
+        for q in pending.values():
+            while q and (upto is None or q[0][0] <= upto):
+                out.append(q.popleft()[1])
+
     for i in range(len(events) + 1):
         while (here := k < n_work and wat[k] == i) or m < n_marks and marks[m].at == i:
             if m < n_marks and marks[m].at == i and (mark_work[m] <= k or not here):  # a phase (verify syncs) or
-                cpu = max(cpu, gpu, side)  # empty_cache: all that is queued completes
-                out.extend(ev for _, ev in pending)
-                pending.clear()
+                cpu = max(cpu, *clock.values())  # empty_cache: all that is queued completes
+                release(None)
                 queue.clear()
                 new_marks.append(Mark(len(out), marks[m].label, marks[m].kind))
                 reached.append(cpu)
                 m += 1
                 continue
             cpu += wcpu[k]
-            w = wwait[k]
+            w, st = wwait[k], wstream[k]
             if w == NO_WAIT:
                 dur = seconds(wkernel[k], wflops[k], wbytes[k])
                 while queue and queue[0][1] <= cpu:
                     queue.popleft()
-                if wstream[k] == 0:
+                if st == 0:
                     if dur:
                         if len(queue) >= LAUNCH_QUEUE:
                             cpu = queue.popleft()[1]
-                        start = max(gpu, cpu)
-                        gpu = start + dur
-                        queue.append((start, gpu))
-                    finish[k] = gpu
+                        start = max(clock[0], cpu)
+                        clock[0] = start + dur
+                        queue.append((start, clock[0]))
+                    finish[k] = clock[0]
                 else:
                     if dur:
-                        running = gpu if SIDE_AFTER_QUEUE else queue[0][1] if queue and queue[0][0] <= cpu else cpu
-                        side = max(side, cpu, running) + dur
-                    finish[k] = side
+                        running = (clock[0] if SIDE_AFTER_QUEUE
+                                   else queue[0][1] if queue and queue[0][0] <= cpu else cpu)
+                        clock[st] = max(clock.get(st, 0.0), cpu, running) + dur
+                    finish[k] = clock.get(st, 0.0)
             elif wkernel[k] == STREAM_WAIT:
-                gpu = max(gpu, finish[w])
-                finish[k] = gpu
+                clock[st] = max(clock.get(st, 0.0), finish[w])
+                finish[k] = clock[st]
             else:
-                cpu = max(cpu, max(gpu, side) if w == SYNC else finish[w])
-                finish[k] = gpu
+                cpu = max(cpu, max(clock.values()) if w == SYNC else finish[w])
+                finish[k] = clock[0]
             k += 1
         if i == len(events):
             break
         ev = events[i]
         if ev >= 0:
-            while pending and pending[0][0] <= cpu:  # process_events at the malloc
-                out.append(pending.popleft()[1])
+            release(cpu)  # process_events at the malloc
             out.append(ev)
         elif ~ev in used:
-            pending.append((gpu, ev))
+            by = used[~ev]  # the reduce stream waits for the compute stream before each grad it takes
+            pending.setdefault(by, deque()).append((max(clock.get(by, 0.0), clock[0]), ev))
         else:
             out.append(ev)
-    out.extend(ev for _, ev in pending)
-    reached.append(max(cpu, gpu, side))
+    release(None)
+    reached.append(max(cpu, *clock.values()))
     return out, new_marks, reached
 
 

@@ -19,7 +19,7 @@ system when freed.
 from __future__ import annotations
 
 from ..ledger import Ledger
-from .timing import H2D
+from .timing import HOST_LINK
 
 #: ledger component of host tensors; a pinned one's component carries the PINNED prefix
 HOST = "host"
@@ -61,11 +61,11 @@ class Places:
                   ) -> int | None:
         """``t.to(device)`` of a host tensor: a new GPU tensor (None on the CPU accelerator, where it is ``t``), and
         its copy over the host link on ``stream``, which the host waits for unless ``non_blocking`` (``blocking``
-        False): copy_ with non_blocking=False synchronizes the stream after cudaMemcpyAsync (timing.H2D)."""
+        False): copy_ with non_blocking=False synchronizes the stream after cudaMemcpyAsync (timing.HOST_LINK)."""
         if self.cpu_run:
             return None
         tid = self.dev.alloc(name, nbytes, component, stream)
-        copy = self.dev.work(0.0, 0.0, nbytes, H2D, stream)
+        copy = self.dev.work(0.0, 0.0, nbytes, HOST_LINK, stream)
         if blocking:
             self.dev.wait(copy)
         return tid

@@ -12,15 +12,15 @@ the softmax, the loss); GEMM, operations over the tensor cores' rate (cuBLAS mat
 over the CUDA cores' rate (fp32 matrix products: torch.backends.cuda.matmul.allow_tf32 is False by default, and
 neither transformers nor DeepSpeed sets it); ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT, the fused
 attention kernels sdpa dispatches to (cuDNN's, FlashAttention-2, the memory-efficient one), each over its own share
-of the tensor cores' rate; H2D, a copy from host memory over the host link (a copy engine's work: no SMs).
+of the tensor cores' rate; HOST_LINK, a copy between pinned host memory and the GPU over the host link.
 """
 
 from __future__ import annotations
 
 from math import sqrt
 
-MEMORY, GEMM, GEMM_FP32, ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT, H2D = 0, 1, 2, 3, 4, 5, 6
-KERNELS = ("memory", "gemm", "gemm_fp32", "attention_cudnn", "attention_flash", "attention_efficient", "h2d")
+MEMORY, GEMM, GEMM_FP32, ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT, HOST_LINK = 0, 1, 2, 3, 4, 5, 6
+KERNELS = ("memory", "gemm", "gemm_fp32", "attention_cudnn", "attention_flash", "attention_efficient", "host_link")
 
 # -- the host's time (seconds; benchmarks/timing/README.md says how each was measured) -------------------------
 #: one eager aten op from Python with autograd recording its node, inside a transformers module: a tiny Llama's
