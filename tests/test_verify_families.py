@@ -149,7 +149,7 @@ def test_family_matrix_parses_and_covers_the_acceptance():
     """Issue 16's GPU matrix: each new family ZeRO-2 and 3 with checkpointing on and off; MoE shapes (Mixtral,
     Qwen3-MoE, the cut DeepSeek-V3) across ZeRO 1-3, optimizer offload and several sequence lengths, each
     predicted to fit one 141 GB H200 with emulated ranks."""
-    from memplan.units import GiB
+    from memplan.gpus import resolve_gpu
     from memplan.verify import batch, worker
 
     items = [batch.parse_item(json.loads(x), "/tmp/unused") for x in MATRIX.read_text().splitlines() if x.strip()]
@@ -162,7 +162,8 @@ def test_family_matrix_parses_and_covers_the_acceptance():
     for item in items:
         worker.check_supported(item.job)  # raises Unsupported for what the harness cannot run
         assert not item.opts["launch"], item.name
-        assert item.name in oom or item.need_bytes < 130 * GiB, item.name
+        # predicted within the H200's capacity (ds4l-z3-s4k-w8 measured 134.9 GiB reserved there, predicted exact)
+        assert item.name in oom or item.need_bytes < resolve_gpu("h200").memory_bytes, item.name
     for family in NEW_FAMILIES:
         jobs = [i.job for i in items if i.job.model.family == family]
         cells = {(j.training.zero.stage, j.training.checkpointing) for j in jobs}
