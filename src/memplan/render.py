@@ -115,7 +115,8 @@ def render_estimate(est: Estimate, console=None) -> None:
          f"{fmt_gib(est.device_total_bytes)} (reserved + {fmt_gib(est.non_torch_bytes)} CUDA context, NCCL)"),
         *([] if est.peak_reserved_gpu_behind_bytes is None else [
             f"on a GPU a whole phase behind the host (shared, slower): peak reserved up to "
-            f"{fmt_gib(est.peak_reserved_gpu_behind_bytes)} · device total {fmt_gib(est.device_total_gpu_behind_bytes)} "
+            f"{fmt_gib(est.peak_reserved_gpu_behind_bytes)} · device total "
+            f"{fmt_gib(est.device_total_gpu_behind_bytes)} "
             f"(ZeRO-3's record_stream frees wait for the next synchronization)"]),
         (f"per node: host RAM {fmt_gib(est.host_bytes_per_node)} (offload, pinned) · NVMe "
          f"{fmt_gib(est.nvme_bytes_per_node)}"),

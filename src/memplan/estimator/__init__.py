@@ -278,7 +278,8 @@ def _ledger_estimate(job: Job, gpu=None) -> Estimate:
     return Estimate(
         job=job, peak_phase=s.peak_phase, components=s.components, timeline=s.timeline,
         peak_reserved_bytes=s.peak_reserved_bytes, peak_reserved_gpu_behind_bytes=s.peak_reserved_behind_bytes,
-        non_torch_bytes=non_torch_bytes(job), host_bytes_per_node=st.host_bytes * rpn, nvme_bytes_per_node=st.nvme_bytes * rpn,
+        non_torch_bytes=non_torch_bytes(job), host_bytes_per_node=st.host_bytes * rpn,
+        nvme_bytes_per_node=st.nvme_bytes * rpn,
         notes=measurement_notes(job),
     )
 
