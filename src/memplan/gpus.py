@@ -119,12 +119,17 @@ def _allowed() -> str:
     return f"allowed: {', '.join(gpu_names())} or a size such as 80GiB"
 
 
+def _preset(text: str) -> GpuSpec | None:
+    """The preset named ``text`` (its name or an alias, case-insensitive), or None."""
+    key = _key(text)
+    return next((g for g in GPU_PRESETS if key == g.name or key in g.aliases), None)
+
+
 def resolve_gpu(text: str) -> GpuSpec:
     """A preset by name or alias (case-insensitive), or a bare capacity such as ``80GiB`` / ``141GB``."""
-    key = _key(text)
-    for gpu in GPU_PRESETS:
-        if key == gpu.name or key in gpu.aliases:
-            return gpu
+    gpu = _preset(text)
+    if gpu is not None:
+        return gpu
     if _SIZE_WITH_UNIT.match(str(text)):
         try:
             size = parse_size_bytes(text)
@@ -156,7 +161,4 @@ def gpu_of_device(device_name: str | None) -> GpuSpec:
 def timing_gpu(name: str | None) -> GpuSpec | None:
     """The preset an estimate times its GPU work on (memplan.estimator.gpu_time) for a --gpu value: the named
     preset, or None (the reference GPU) for a bare capacity or none."""
-    if not name:
-        return None
-    key = _key(name)
-    return next((g for g in GPU_PRESETS if key == g.name or key in g.aliases), None)
+    return _preset(name) if name else None

@@ -146,6 +146,14 @@ class Ledger:
         """Ids of the tensors allocated and not yet freed, at the end of the ledger so far."""
         return frozenset(self._live)
 
+    def reordered(self, events: list[int], marks: list[Mark]) -> Ledger:
+        """A ledger of the same tensors with ``events`` in another order and ``marks`` at their new places (the
+        caching allocator's view of deferred frees: memplan.estimator.gpu_time, gpu_behind); no work records."""
+        out = Ledger()
+        out.names, out.sizes, out.components, out.streams = self.names, self.sizes, self.components, self.streams
+        out.events, out.marks = events, marks
+        return out
+
     # -- queries --------------------------------------------------------------------------------------
     def deltas(self) -> Iterator[int]:
         """The change of allocated bytes (512-rounded) at each event."""

@@ -10,8 +10,6 @@ from . import blocks as B
 from .autograd import Autograd, Tensor, _Ctx
 from .timing import GEMM_FP32, gemm_flops
 
-FP32_BYTES = 4
-
 
 def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, bias: Tensor | None = None,
            transposed: bool = True, keeps_input: bool = False, cuda_bytes: int | None = None) -> Tensor:
@@ -94,7 +92,7 @@ def matmul(ag: Autograd, a: Tensor, c: Tensor, out_bytes: int, name: str, copy_a
     saved = tuple(t for t, other in ((c2, a2), (a2, c2)) if other.requires_grad)  # sorted: mat2, self
     e = elem_bytes or ag.elem_bytes
     out = ag.op(name, out_bytes, (a2, c2), saved, backward, flops=gemm_flops(a2.nbytes, c2.nbytes, out_bytes, e, batch),
-                kernel=GEMM_FP32 if e == FP32_BYTES else None)
+                kernel=GEMM_FP32 if e == B.FP32 else None)
     ag.release(c2)  # _matmul_impl's locals die last declared first: the reshaped mat2, then self
     ag.release(a2)
     if grad_copy and out.node is not None:

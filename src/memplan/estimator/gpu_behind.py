@@ -11,16 +11,14 @@ by the next malloc and the plain ledger is right; when it falls behind, the bloc
 segments are reserved (measured: benchmarks/accuracy/README.md, "ZeRO-3 jobs run alone": the deferred frees of
 nine lone traces completed 0 to 1418 allocations late, and the reserved figure followed).
 
-How far behind the GPU falls depends on GPU time against CPU time, which the ledger does not model. What bounds
-it is a synchronization: verify's phases start with ``torch.cuda.synchronize()`` (memplan.verify.phases), and
-``torch.cuda.empty_cache()`` synchronizes and frees the pending events (synchronize_and_free_events). So the
-bound moves each deferred free to the next phase mark or empty_cache, as if the GPU were a whole phase behind:
-the most the cache can hold back between two synchronizations. Nothing else is moved; allocations keep their
-order. It is an upper bound of what verify measures (tests/test_accuracy.py holds it above every measured ZeRO-3
-row, within the 3 % that the reserved bar allows under), not an estimate: it over-states the reserved figure
-of jobs whose GPU keeps up. Not modelled: the CPU waits that bound the lead more tightly (the coordinator's
-``__ongoing_fetch_events`` on the all-gather stream, the reduce events stage3 synchronizes on, CUDA's launch
-queue of 1021 kernels, benchmarks/allocator/gpu/launch_queue.json).
+How far behind the GPU falls depends on GPU time against host time, which estimator.gpu_time replays for one GPU
+(the estimate's figure). What bounds it whatever the GPU is a synchronization: verify's phases start with
+``torch.cuda.synchronize()`` (memplan.verify.phases), and ``torch.cuda.empty_cache()`` synchronizes and frees the
+pending events (synchronize_and_free_events). So this bound moves each deferred free to the next phase mark or
+empty_cache, as if the GPU were a whole phase behind: the most the cache can hold back between two
+synchronizations, what a GPU shared with other work or slower than the one timed can reach. Nothing else is moved;
+allocations keep their order. tests/test_accuracy.py holds it above every measured ZeRO-3 row (within the 3 % the
+reserved bar allows under); it over-states the reserved figure of jobs whose GPU keeps up.
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ def gpu_behind(L: Ledger) -> Ledger | None:
     used = L.stream_used
     if not used:
         return None
-    out = Ledger()
-    out.names, out.sizes, out.components, out.streams = L.names, L.sizes, L.components, L.streams
     starts = sorted({m.at for m in L.marks})
     events: list[int] = []
     pending: list[int] = []
@@ -53,6 +49,4 @@ def gpu_behind(L: Ledger) -> Ledger | None:
             events.append(ev)
     events += pending
     end = len(events)
-    out.events = events
-    out.marks = [Mark(moved.get(m.at, end), m.label, m.kind) for m in L.marks]
-    return out
+    return L.reordered(events, [Mark(moved.get(m.at, end), m.label, m.kind) for m in L.marks])

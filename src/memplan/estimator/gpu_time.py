@@ -109,11 +109,7 @@ def timed(L: Ledger, rates: GpuRates) -> Ledger | None:
     if not L.stream_used:
         return None
     out, marks, _ = _walk(L, rates)
-    late = Ledger()
-    late.names, late.sizes, late.components, late.streams = L.names, L.sizes, L.components, L.streams
-    late.events = out
-    late.marks = marks
-    return late
+    return L.reordered(out, marks)
 
 
 def phase_seconds(L: Ledger, rates: GpuRates) -> list[tuple[str, float]]:

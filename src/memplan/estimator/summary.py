@@ -33,9 +33,6 @@ class LedgerSummary:
     #: peak reserved with the GPU a whole phase behind the CPU (estimator.gpu_behind): None where no tensor is
     #: freed with record_stream, so peak_reserved_bytes is the bound too
     peak_reserved_behind_bytes: int | None = None
-    #: peak reserved if the GPU kept up with every deferred free (the plain ledger's replay); None where no tensor
-    #: is freed with record_stream (then it is peak_reserved_bytes)
-    peak_reserved_keep_up_bytes: int | None = None
 
 
 def allocator_config(job: Job, card_bytes: int | None = None):
@@ -98,7 +95,7 @@ def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool
     return LedgerSummary(best.peak_allocated_bytes, best.label, at_of[best.label], reserved,
                          _counted(L, live[at_of[best.label]], best.peak_allocated_bytes), phases,
                          after.num_alloc_retries, None if after.oom is None else after.oom.event,
-                         behind_reserved(job, L, reserved), None if late is None else keep_up)
+                         behind_reserved(job, L, reserved))
 
 
 def _training_reserved(sim) -> int:

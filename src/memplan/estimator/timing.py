@@ -20,7 +20,6 @@ from __future__ import annotations
 from math import sqrt
 
 MEMORY, GEMM, GEMM_FP32, ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT, HOST_LINK = 0, 1, 2, 3, 4, 5, 6
-KERNELS = ("memory", "gemm", "gemm_fp32", "attention_cudnn", "attention_flash", "attention_efficient", "host_link")
 
 # -- the host's time (seconds; benchmarks/timing/README.md says how each was measured) -------------------------
 #: one eager aten op from Python with autograd recording its node, inside a transformers module: a tiny Llama's
