@@ -96,7 +96,7 @@ class ModuleHooks:
 
     def param_access(self, ag: Autograd, module: str, name: str) -> None:
         """A forward reads parameter ``name`` while ``module`` is the innermost module running, outside the
-        parameter's own module (ZeRO-3 gathers it then: Zero3Params.param_access)."""
+        parameter's own module (ZeRO-3 gathers it then: Zero3Hooks.param_access)."""
 
 
 class Net:
