@@ -111,16 +111,14 @@ def _unmodelled_fp32_accumulation(job: Job) -> bool:
     return z.stage == 1 and (t.dtype != "bf16" or offload)
 
 
-def ledger_steps(skipped=(), config=None) -> int:
-    """Optimizer steps the ledger runs: verify measures 3; with none skipped the third repeats the second
-    allocation for allocation (the first creates the optimizer states and, under ZeRO-3, records the trace the
-    second prefetches by), so 2 give the same reserved peak at two thirds of the cost, and the same allocated
-    peak up to which cached large blocks come back unsplit (< 0.1 %, tests/test_ledger_program.py). Not under
-    expandable segments or garbage collection (``config``, an AllocatorConfig): their cache is not back where it
-    started after a step (mapped pages, gc counters), so the third step's reserved can grow (hand-written
-    llama1b-z3-s4k-w8-expandable's trace: +1.0 GiB in step 2); estimator/fold.py leaves them whole too."""
-    unsteady = config is not None and (config.expandable_segments or config.garbage_collection_threshold)
-    return 3 if tuple(skipped) or unsteady else 2
+#: Optimizer steps the ledger runs: all three that verify measures (memplan.verify ``--steps`` default). Two looked
+#: enough once (the third step allocates what the second does, tensor for tensor), but the cache a step leaves is
+#: not always the one it found: a ZeRO-1 llama-3.2-1b cut to 3 layers at 256 tokens (tests/test_ledger_program.py)
+#: reserves 0.49 GiB more in its third step's backward than in its second with the same events; expandable segments
+#: and garbage collection drift the same way (llama1b-z3-s4k-w8-expandable's trace: +1.0 GiB in step 2), and so do
+#: the frees the GPU's progress completes (estimator.gpu_time; lone2-s1-026's H100 trace: +0.98 GiB in step 2's
+#: forward, which the timed replay of three steps reproduces to the byte).
+LEDGER_STEPS = 3
 
 
 def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int | None = None, gpu=None):
@@ -132,7 +130,7 @@ def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int 
     from .summary import allocator_config, summarize
 
     config = allocator_config(job, card_bytes)
-    steps = ledger_steps(skipped, config)
+    steps = LEDGER_STEPS
     if job.layout.pp > 1:  # the first and the last stage, each as verify emulates it; the most loaded one's
         from .pipeline import PIPELINE_STEPS, build_pipeline_ledger
 
@@ -157,7 +155,7 @@ def ledger_trace(job: Job) -> dict | None:
     from .summary import allocator_config
 
     config = allocator_config(job)
-    steps = ledger_steps((), config)
+    steps = LEDGER_STEPS
     if job.layout.pp > 1:  # the most loaded of the first and the last stage
         from .pipeline import PIPELINE_STEPS, build_pipeline_ledger
 

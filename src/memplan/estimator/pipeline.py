@@ -21,9 +21,9 @@ from . import pipe_schedule as P
 from .autograd import Autograd
 from .pipeline_instructions import PipeStage
 
-#: optimizer steps a stage's ledger runs: all three verify measures. Unlike the unpipelined ledger
-#: (estimator.ledger_steps), a later step is not a repeat of the second for the caching allocator: the in-flight
-#: micro-batches' activations land in other free blocks each step, so reserved memory still grows at the third
+#: optimizer steps a stage's ledger runs: all three verify measures (as estimator.LEDGER_STEPS). For the caching
+#: allocator a later step is not a repeat of the second: the in-flight micro-batches' activations land in other
+#: free blocks each step, so reserved memory still grows at the third
 #: (the H200 row s4-084, Mistral-7B pp 4: 28.9, 32.6, 36.1 GiB at the end of each step; the ledger replays it
 #: within 0.3 %)
 PIPELINE_STEPS = 3
