@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from memplan.accuracy import _measured_points, iter_rows, job_of_row, skipped_steps
-from memplan.estimator import ledger_steps, quick_peak
+from memplan.estimator import LEDGER_STEPS, quick_peak
 from memplan.estimator.gpu_time import GpuRates, phase_seconds
 from memplan.estimator.program import build_ledger
 from memplan.estimator.summary import allocator_config
@@ -47,8 +47,7 @@ def main(argv: list[str]) -> int:
                       f"{reserved / GIB:7.2f} predicted {q.peak_reserved_bytes / GIB:7.2f} ({err:+.1%})"
                       + ("" if keep is None else " (no deferred frees)"))
                 if show_phases and not row.get("layers"):
-                    steps = ledger_steps(skipped_steps(row), allocator_config(pjob))
-                    L = build_ledger(pjob, steps=max(steps, row.get("steps", 3)), skipped=skipped_steps(row))
+                    L = build_ledger(pjob, steps=max(LEDGER_STEPS, row.get("steps", 3)), skipped=skipped_steps(row))
                     pred = dict(phase_seconds(L, GpuRates.of(gpu)))
                     for ph in row.get("phases") or ():
                         t = pred.get(ph["name"])

@@ -22,6 +22,7 @@ object (and writes it to the path given as the only argument).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -76,17 +77,19 @@ def gemm_rows() -> list[dict]:
     return out
 
 
-def attention_rows() -> list[dict]:
+def attention_rows(dtype=torch.bfloat16) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    if dtype == torch.float32:  # fp32: only the memory-efficient kernel takes it
+        backends = {"efficient": SDPBackend.EFFICIENT_ATTENTION}
     shapes = [(1, 32, 2048, 64), (1, 32, 4096, 128), (1, 32, 8192, 128), (1, 32, 16384, 128), (1, 4, 32768, 128),
               (1, 128, 2048, 128), (8, 40, 4096, 128), (1, 16, 32768, 128), (2, 32, 4096, 128)]
     out = []
     for name, be in backends.items():
         for b, h, s, d in shapes:
-            q, k, v = (torch.randn(b, h, s, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            q, k, v = (torch.randn(b, h, s, d, device=DEV, dtype=dtype, requires_grad=True)
                        for _ in range(3))
             flops = 4.0 * b * h * s * s * d / 2
             try:
@@ -104,6 +107,25 @@ def attention_rows() -> list[dict]:
             except RuntimeError as err:
                 out.append({"backend": name, "b": b, "h": h, "s": s, "d": d, "error": str(err)[:200]})
             del q, k, v
+    torch.cuda.empty_cache()
+    return out
+
+
+def attention_fp32_rows() -> list[dict]:
+    """sdpa's memory-efficient kernel in fp32 (what an fp32 job's attention runs), the shapes of attention_rows."""
+    return attention_rows(torch.float32)
+
+
+def host_link_rows() -> list[dict]:
+    """Copies between pinned host memory and the GPU (the offload paths' ``.to(device, non_blocking=...)``):
+    seconds per copy of 64 MiB to 1 GiB, each direction."""
+    out = []
+    for mib in (64, 256, 1024):
+        host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(mib << 20, dtype=torch.uint8, device=DEV)
+        out.append({"bytes": mib << 20, "h2d_s": timed(lambda: dev.copy_(host, non_blocking=True)),
+                    "d2h_s": timed(lambda: host.copy_(dev, non_blocking=True))})
+        del host, dev
     torch.cuda.empty_cache()
     return out
 
@@ -204,8 +226,12 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "command": " ".join(sys.argv)}
-    for name, fn in (("host", host_rows), ("memory", memory_rows), ("side_stream", side_stream_rows),
-                     ("gemm", gemm_rows), ("attention", attention_rows)):
+    parts = (("host", host_rows), ("memory", memory_rows), ("side_stream", side_stream_rows), ("gemm", gemm_rows),
+             ("attention", attention_rows), ("attention_fp32", attention_fp32_rows), ("host_link", host_link_rows))
+    only = os.environ.get("PARTS")  # PARTS=attention_fp32,host_link: those parts only
+    for name, fn in parts:
+        if only and name not in only.split(","):
+            continue
         t = time.time()
         try:
             res[name] = fn()

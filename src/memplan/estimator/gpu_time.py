@@ -8,7 +8,8 @@ kinds of tensor that way: every gathered parameter (partition_parameters.py free
 ``param.data.record_stream(current_stream())``: the buffer was gathered on the all-gather stream) and every
 gradient handed to the reduce stream (stage3.py __add_grad_to_ipg_bucket and partition_grads,
 ``param.grad.record_stream`` of the reduce stream, which waits for the compute stream first); with overlap_comm off
-both streams are the default one and nothing is deferred. So a free completes at the first malloc the host makes
+both streams are the default one and nothing is deferred. ZeRO-1/2 with overlap_comm frees the tensor each reduction
+read the same way: the IPG buffer, or an extra-large parameter's grad (estimator.zero12, _on_reduction_stream). So a free completes at the first malloc the host makes
 after the GPU has run every kernel queued before the free.
 
 ``timed(L, rates)`` replays the host and the GPU over the ledger's work records (estimator/timing.py): the host's
@@ -124,7 +125,8 @@ def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float
     """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
     reached). Each stream is a clock: the compute stream (0) runs its kernels in order; a kernel on another stream
     (the reduce stream 1, the all-gather stream 2) starts once that stream is free, the host has launched it and the
-    compute kernel running at its launch has ended (SIDE_AFTER_QUEUE). A STREAM_WAIT record holds its stream to
+    compute kernel running at its launch has ended (SIDE_AFTER_QUEUE); a host-link copy (cudaMemcpyAsync between
+    pinned host memory and the GPU) does not wait for that kernel: a copy engine moves it, not the SMs. A STREAM_WAIT record holds its stream to
     another record's end; a deferred free completes at the clock of the stream that used the tensor."""
     used = L.stream_used
     events, wat, wcpu, wflops, wbytes = L.events, L.work_at, L.work_cpu_s, L.work_flops, L.work_bytes
@@ -175,8 +177,8 @@ def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float
                         queue.append((start, clock[0]))
                     finish[k] = clock[0]
                 else:
-                    if dur:
-                        running = (clock[0] if SIDE_AFTER_QUEUE
+                    if dur:  # a host-link copy runs on a copy engine: it waits for no compute kernel
+                        running = (cpu if wkernel[k] == HOST_LINK else clock[0] if SIDE_AFTER_QUEUE
                                    else queue[0][1] if queue and queue[0][0] <= cpu else cpu)
                         clock[st] = max(clock.get(st, 0.0), cpu, running) + dur
                     finish[k] = clock.get(st, 0.0)

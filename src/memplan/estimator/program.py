@@ -89,7 +89,7 @@ def engine_for(L: Ledger, job: Job, trainable, places: Places, every: list[tuple
         return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype or t.dtype), b, lay.zero_group,
                              opt)
     if z.stage == 0:
-        return Zero0(L, names, numels, b, opt, lay.dp, z.allgather_bucket_size)
+        return Zero0(L, names, numels, b, opt, lay.world)
     if z.stage in (1, 2):
         group = FlatGroup(names, numels, lay.zero_group, dp_rank)
         # allreduce_bucket communicates in fp32 whenever sequence_parallel_size > 1, whatever

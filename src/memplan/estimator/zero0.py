@@ -16,8 +16,12 @@ the clone dies as the copy is made); initialize_optimizer_states gives every 16-
 zero grad, runs the optimizer once (its states, tensor by tensor) and drops those grads. step(): the grad norm
 takes each 16-bit grad's fp32 copy in turn (get_weight_norm: ``p.data.float().norm()``), each grad is cast to
 its fp32 parameter's .grad (all alive), the optimizer runs over the fp32 tensors, their grads are dropped, and
-the engine's zero_grad drops the 16-bit ones. Engine allreduce at the boundary (buffered_allreduce_fallback) flattens the grads in
-buckets of allreduce_bucket_size elements (a copy per bucket) when there is more than one rank.
+the engine's zero_grad drops the 16-bit ones. The engine's allreduce at the boundary (allreduce_gradients →
+buffered_allreduce_fallback → allreduce_no_retain) walks the grads in parameter order and flattens each bucket (a copy;
+a bucket of one grad is viewed, not copied) once it holds more than MEMORY_OPT_ALLREDUCE_SIZE elements, whatever the
+config's bucket sizes say. It runs whenever the engine has a process group (every launch with more than one rank,
+data parallel or not: a pipeline of two stages and no data parallelism still flattens, trace19-s10-055: 1.88 GiB in
+its reduce_grads); a one-GPU verify run has none (DeepSpeedEngine: dist_backend None → enable_backward_allreduce off).
 """
 
 from __future__ import annotations
@@ -27,17 +31,20 @@ from .autograd import Autograd, Tensor
 from .optim import Optimizer, fused_fp16_optimizer
 
 FP32 = 4
+#: engine.py MEMORY_OPT_ALLREDUCE_SIZE: allreduce_gradients' bucket_size (the backward's call and PipelineEngine's
+#: _exec_reduce_grads pass no other)
+MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 
 
 class Zero0:
     """FP16_Optimizer / DDP_BFLOAT16 (``mixed``), or a plain torch optimizer in fp32."""
 
     def __init__(self, ledger: Ledger, names: list[str], numels: list[int], b: int, optimizer: Optimizer,
-                 dp: int, allreduce_bucket: int):
+                 world: int):
         self.L, self.names, self.numels, self.b, self.opt = ledger, names, numels, b, optimizer
         self.mixed = b < FP32
         self.fused = fused_fp16_optimizer(optimizer.kind)
-        self.dp, self.bucket = dp, allreduce_bucket
+        self.world = world
         self.grads: dict[str, Tensor] = {}
         self.total = sum(numels)
 
@@ -79,12 +86,22 @@ class Zero0:
             ag.release(grad)  # param.grad += grad in place
 
     def end_backward(self, ag: Autograd, boundary: bool) -> None:
-        if boundary and self.dp > 1:  # engine.allreduce_gradients → buffered_allreduce_fallback
-            left = self.total
-            while left > 0:
-                n = min(left, self.bucket)
-                self.L.free(self.L.alloc("engine.allreduce_flat", self.b * n, "grad_bucket"))
-                left -= n
+        if not (boundary and self.world > 1):  # engine.allreduce_gradients → buffered_allreduce_fallback
+            return
+        count = tensors = 0
+        for n in self.numels:  # allreduce_no_retain: a bucket goes once it holds more than numel_per_bucket
+            count, tensors = count + n, tensors + 1
+            if count > MEMORY_OPT_ALLREDUCE_SIZE:
+                self._flatten(count, tensors)
+                count = tensors = 0
+        if tensors:
+            self._flatten(count, tensors)
+
+    def _flatten(self, elements: int, tensors: int) -> None:
+        """allreduce_bucket's ``self.flatten(bucket)``: a new flat tensor, dropped after the copy back (one grad is
+        viewed)."""
+        if tensors > 1:
+            self.L.free(self.L.alloc("engine.allreduce_flat", self.b * elements, "grad_bucket"))
 
     def skip(self, ag: Autograd) -> None:
         """An overflowing fp16 step: FP16_Optimizer drops the 16-bit grads and returns (_skip_invalid_grad_norm)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ..ledger import EMPTY_CACHE, Ledger
 from .autograd import Autograd, Tensor
 from .optim import Optimizer
+from .timing import MEMORY
 
 #: stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: alignment = nccl_start_alignment_factor · world
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -96,6 +97,7 @@ class Zero12:
         self.index = {n: (g, i) for g, grp in enumerate(groups) for i, n in enumerate(grp.names)}
         self.masters: list[int] = []
         self.bucket: list[int] = []  # ledger ids of the IPG buffers
+        self.bucket_index = 0  # the buffer being filled (bucket.index: swapped after each reduction with overlap_comm)
         self.bucket_params: list[tuple[str, Tensor | None]] = []  # (name, grad kept outside the bucket)
         self.bucket_elements = 0
         self.grads_in_partition: int | None = None
@@ -146,6 +148,7 @@ class Zero12:
     # -- backward -------------------------------------------------------------------------------------
     def _setup_buckets(self) -> None:
         if not self.bucket:
+            self.bucket_index = 0
             for _ in range(2 if self.overlap else 1):
                 self.bucket.append(self.L.alloc("zero.ipg_bucket", self.b * self.rbs, "grad_bucket"))
 
@@ -170,6 +173,8 @@ class Zero12:
         numel = self.groups[g].numels[i]
         if self.bucket_elements + numel > self.rbs:
             self.reduce_ipg_grads(ag)
+            if self.overlap:  # contiguous_gradients and overlap_comm: the other buffer fills next
+                self.bucket_index = 1 - self.bucket_index
         if numel > self.rbs:  # extra_large_param_to_reduce: its own grad is reduced, not copied
             if self.offload:  # _offload_gradient_safety_enabled: grad.data = grad.detach().clone() first
                 clone = ag.empty("zero.extra_large_grad_clone", grad.nbytes, component="gradients")
@@ -185,6 +190,7 @@ class Zero12:
         """average_tensor on the bucket's contents, then each parameter's grad to its partition or dropped."""
         if not self.bucket_params:
             return
+        self._on_reduction_stream()
         if self.compact and self.offload:
             self._reduce_into_compact(ag)
             return
@@ -204,6 +210,29 @@ class Zero12:
             if kept is not None:
                 ag.release(kept)
         self.bucket_params, self.bucket_elements = [], 0
+
+    def _on_reduction_stream(self) -> None:
+        """average_tensor's kernels (the gradient average, ``tensor.div_``, in place over the reduced tensor) and,
+        with overlap_comm, the reduced tensor used on the reduction stream: the whole of it under cpu_offload
+        (_record_gradient_stream(tensor, reduction_stream): _offload_gradient_safety_enabled), else each slice bound
+        for this rank (allreduce_and_copy_with_multiple_ranks: ``buf.record_stream(self.reduction_stream)``). The
+        reduced tensor is the IPG buffer being filled, or an extra-large parameter's own grad alone in the bucket;
+        either is then freed (_release_ipg_buffers, param.grad = None) where the caching allocator reuses it only
+        once the GPU has run the reduction (estimator.gpu_time). The reduction stream and the compute stream wait
+        for each other around it (average_tensor's wait_stream both ways), so it runs in the compute queue here."""
+        L = self.L
+        L.work(0.0, 0.0, 2 * self.b * self.bucket_elements, MEMORY)
+        if not self.overlap:
+            return
+        local = any(self.groups[g].in_partition(i) for g, i in (self.index[n] for n, _ in self.bucket_params))
+        if not (self.offload or local):
+            return
+        name, kept = self.bucket_params[0]
+        if kept is not None:
+            if kept.storage is not None:
+                L.record_stream(kept.storage.tid, REDUCTION_STREAM)
+        elif self.bucket:
+            L.record_stream(self.bucket[self.bucket_index], REDUCTION_STREAM)
 
     def _allreduce(self, small: list, elements: int, stream: int, local: tuple[int, ...] = ()) -> None:
         """allreduce_bucket: flatten (a copy when there are several slices), cast to fp32 for Ulysses; ``local``:
