@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from memplan.api import estimate
 from memplan.calibrate.files import load_calibration, points_of, read_rows
-from memplan.calibrate.fit import FACTOR_MAX, FACTOR_MIN, Environment, Point, apply, fit, scale_parts
+from memplan.calibrate.fit import FACTOR_MAX, FACTOR_MIN, Environment, Point, apply, fit, phase_class, scale_parts
 from memplan.cli import main
 from memplan.errors import InputError
 from memplan.estimator import quick_peak
@@ -60,6 +60,21 @@ def test_least_squares_factor_by_hand():
     assert cal.default.factor == pytest.approx(3 / 3.02)
     assert [f.phase_class for f in cal.factors] == ["backward"]
     assert not cal.default.clamped
+
+
+@pytest.mark.parametrize("phase, cls", [
+    ("step2.micro0.backward", "backward"), ("step1.micro3.backward", "backward"), ("step0.micro0.step", "step"),
+    ("step0.micro1.forward", "forward"), ("backward, layer 0", "backward"), ("optimizer step", "optimizer step"),
+])
+def test_phase_class_drops_the_step_and_micro_step(phase, cls):
+    # the ledger's marks name the step and micro-step (estimator/loop.py); one class gathers every step's peak
+    assert phase_class(phase) == cls
+
+
+def test_points_peaking_in_different_steps_share_a_class():
+    cal = _fit([_point("a", 900, 1000, "step1.micro0.backward"), _point("b", 1100, 1000, "step2.micro0.backward"),
+                _point("c", 1000, 1000, "step1.micro1.backward")])
+    assert [(f.phase_class, f.points) for f in cal.factors] == [("backward", 3)]
 
 
 def test_factor_is_clamped_to_bounds():

@@ -2,7 +2,7 @@
 
 The model. The shipped estimator already meets the accuracy bar (tests/test_accuracy.py); a calibration only
 absorbs drift when torch, DeepSpeed or transformers change what they allocate. One multiplicative factor per
-peak phase class (the predicted peak phase up to its first comma: "forward", "backward", "optimizer step"),
+peak phase class (the predicted peak phase without its step and micro-step: "forward", "backward", "step"),
 fitted by least squares on the relative residual of peak allocated bytes:
 
     minimise Σᵢ ((f·pᵢ − mᵢ) / mᵢ)²   ⇒   f = Σᵢ rᵢ / Σᵢ rᵢ²,   rᵢ = pᵢ / mᵢ
@@ -20,6 +20,7 @@ the peak. Host RAM, NVMe and the memory torch does not see are left as they are.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -96,9 +97,13 @@ class Calibration(_Frozen):
         return next((f for f in self.factors if f.phase_class == cls), self.default)
 
 
+_STEP_MICRO = re.compile(r"^(?:step\d+\.)?(?:micro\d+\.)?")
+
+
 def phase_class(phase: str) -> str:
-    """'backward, layer 0' → 'backward'; 'optimizer step' → 'optimizer step'."""
-    return phase.split(",")[0].strip()
+    """The phase without its step and micro-step (the ledger's marks, `estimator/loop.py`) or layer detail:
+    'step2.micro0.backward' → 'backward'; 'step0.micro0.step' → 'step'; 'backward, layer 0' → 'backward'."""
+    return _STEP_MICRO.sub("", phase.split(",")[0].strip(), count=1)
 
 
 def _least_squares_factor(points: list[Point], cls: str) -> ClassFactor:

@@ -128,6 +128,7 @@ def build_model(config, job: Job, ds_config: dict, device: str):
 
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        bound_partitions(model)
     else:
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
@@ -142,6 +143,29 @@ def build_model(config, job: Job, ds_config: dict, device: str):
     if t.lora is not None:
         model = add_lora(model, job)
     return model
+
+
+# The bound on a partition's values: above any initialiser's reach in these random-init models (nn.Embedding's
+# reset_parameters draws N(0, 1); transformers' _init_weights N(0, initializer_range ≤ 0.02), ones, zeros).
+PARTITION_BOUND = 8.0
+
+
+def bound_partitions(model) -> None:
+    """Finite values in every ZeRO-3 partition, in place (no allocation: the ledger is unchanged).
+
+    Parameters a module makes with ``torch.empty`` and leaves to PreTrainedModel._init_weights (the MoE experts'
+    gate_up_proj and down_proj of DeepseekV3NaiveMoe, Qwen3-MoE, Mixtral) keep uninitialised memory under a plain
+    ``deepspeed.zero.Init``: post_init runs on the size-0 partitioned tensors, a no-op, and zero.Init copied the
+    garbage into ``ds_tensor``. Seen on the CPU: an expert partition of 2.8e19 and one of inf on one build in
+    three, a non-finite gradient norm and DeepSpeed's overflow check skipping the optimizer step, so no optimizer
+    state is ever made. nan_to_num_ and clamp_ rewrite the values and touch no allocator."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            part = getattr(param, "ds_tensor", None)
+            if part is not None and part.is_floating_point() and part.numel():
+                part.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).clamp_(-PARTITION_BOUND, PARTITION_BOUND)
 
 
 def freeze(model, job: Job) -> None:
