@@ -178,8 +178,9 @@ class Zero3Params(Zero3Hooks):
         for group in groups:
             local = sum(w[p] * self.part[p] for p in group)
             flats.append(L.alloc("zero3.allgather_flat", self.n * local, "params_gathered", s))
-            L.work(0.0, 0.0, 2 * local, MEMORY, s)  # torch.cat(partitions, out=flat's own slice)
-            self._free_all(self._h2d(group, s))  # torch.cat(..., out=partition) of the copies
+            copies = self._h2d(group, s)  # the list comprehension's blocking copies come before the cat
+            L.work(0.0, 0.0, 2 * local, MEMORY, s)  # torch.cat(copies or partitions, out=flat's own slice)
+            self._free_all(copies)  # the list dies after the cat
         handle = [flats, set(todo), [p for group in groups for p in group], False]
         for p in todo:
             self.inflight[p] = handle
