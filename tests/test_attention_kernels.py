@@ -124,8 +124,8 @@ def test_cuda_cudnn_forward_and_backward_sizes():
     assert _sizes(ledger, f"{pre}.out") == [B2 * batch * seq * nh * d]
     assert _sizes(ledger, f"{pre}.logsumexp") == [F32 * batch * nh * seq]
     rows = F32 * batch * nh * seq
-    # forward's workspace, then backward's: fp32 [B, nh, S, max(d, 128)], one fp32 row, 256 bytes
-    assert _sizes(ledger, f"{pre}.workspace.tmp") == [256, rows * max(d, 128) + rows + 256]
+    # forward's workspace, then backward's: fp32 [B, nh, S, 2·d] (grouped-query, no mask), one fp32 row, 256 bytes
+    assert _sizes(ledger, f"{pre}.workspace.tmp") == [256, rows * 2 * d + rows + 256]
     assert _sizes(ledger, f"{pre}.grad_out_copy.tmp") == [B2 * batch * seq * nh * d]
     assert _sizes(ledger, f"grad.model.{pre}.k") == [B2 * batch * seq * kv * d]
     assert _sizes(ledger, f"grad.model.{pre}.q") == [B2 * batch * seq * nh * d]

@@ -39,7 +39,7 @@ def model(g: A.Geometry, kv: int) -> tuple[list[int], list[int]]:
     """The forward's and the backward's allocations blocks_kernels.cudnn_attention makes."""
     rows = K.FP32 * g.batch * g.heads * g.seq
     fwd = [8, 8, g.bytes(), rows, K.CUDNN_FWD_WORKSPACE_BYTES]
-    bwd = [g.bytes(), g.bytes(), g.bytes(kv), g.bytes(kv), K.cudnn_bwd_workspace_bytes(g)]
+    bwd = [g.bytes(), g.bytes(), g.bytes(kv), g.bytes(kv), K.cudnn_bwd_workspace_bytes(g, masked=False)]
     return fwd, bwd
 
 

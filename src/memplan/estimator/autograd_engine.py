@@ -127,21 +127,28 @@ class BackwardEngine:
                 summed = None
                 if g.summed_bytes and g.summed_bytes != inp.nbytes:  # reduce_grad, then grad.to(dtype)
                     summed = self.empty(f"{g.name}.summed", g.summed_bytes, component="activations")
+                    self._reduce_staging(g, staging.get(k))
                     if g is not grad:
                         self.release(g)
                     g = summed
                 r = self.empty(f"{g.name}.reduced", inp.nbytes, component="activations")
-                buf, sem = staging.get(k, (0, 0))  # CUDA's global reduction staging (estimator/cuda_reduce.py)
-                if buf:
-                    b_t = self.empty(f"{g.name}.reduce_staging.tmp", buf, component="activations")
-                    s_t = self.empty(f"{g.name}.reduce_semaphores.tmp", sem, component="activations")
-                    self.release(s_t)
-                    self.release(b_t)
+                if summed is None:
+                    self._reduce_staging(g, staging.get(k))
                 if g is not grad:
                     self.release(g)
                 g = r
             fixed.append(g)
         return tuple(fixed)
+
+    def _reduce_staging(self, g: Tensor, staging: tuple[int, int] | None) -> None:
+        """CUDA's global reduction staging (estimator/cuda_reduce.py) of summing ``g``, after the sum's result:
+        gpu_reduce_kernel's buffer and semaphores, freed (semaphores first) as it returns."""
+        buf, sem = staging or (0, 0)
+        if buf:
+            b_t = self.empty(f"{g.name}.reduce_staging.tmp", buf, component="activations")
+            s_t = self.empty(f"{g.name}.reduce_semaphores.tmp", sem, component="activations")
+            self.release(s_t)
+            self.release(b_t)
 
     def _saved_param_released(self, t: Tensor) -> None:
         if t.param is not None and self.on_saved_param_release is not None:

@@ -13,6 +13,7 @@ the caller releases its own references where the Python code's variables die. Th
 from __future__ import annotations
 
 from .autograd import Autograd, Tensor, _passthrough
+from .cuda_reduce import stage_reduction
 
 FP32 = 4
 
@@ -134,10 +135,11 @@ def copy_slice(ag: Autograd, base: Tensor, src: Tensor, name: str) -> Tensor:
     return out
 
 
-def rmsnorm(ag: Autograd, x: Tensor, weight: Tensor, b: int, name: str) -> Tensor:
+def rmsnorm(ag: Autograd, x: Tensor, weight: Tensor, b: int, name: str, cuda: bool = False) -> Tensor:
     """LlamaRMSNorm.forward: h = x.to(fp32); var = h.pow(2).mean(-1, keepdim); h = h·rsqrt(var + eps);
     return weight · h.to(dtype). Saved: the fp32 input (by pow and the product), rsqrt [T, 1], the cast-back
-    h (by weight·h). In fp32 training both casts are no-ops."""
+    h (by weight·h). In fp32 training both casts are no-ops. ``cuda``: the weight's grad, summed over the rows,
+    stages in global memory (estimator/cuda_reduce.py)."""
     n = x.nbytes // b  # elements
     rows = n // max(1, weight.nbytes // b) if weight.nbytes else n  # T (one statistic per row)
     h32 = to_dtype(ag, x, FP32 * n, f"{name}.fp32_input")
@@ -152,6 +154,8 @@ def rmsnorm(ag: Autograd, x: Tensor, weight: Tensor, b: int, name: str) -> Tenso
     ag.release(h32)  # hidden_states rebound
     hb = to_dtype(ag, h2, b * n, f"{name}.normed")
     out = mul(ag, weight, hb, b * n, f"{name}.out")
+    if cuda and weight.requires_grad:
+        stage_reduction(out, 0, rows, weight.nbytes // b)
     ag.release(hb)
     ag.release(h2)  # the function returns: hidden_states, then variance
     ag.release(var)

@@ -176,19 +176,21 @@ def efficient_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
 
 #: the cuDNN 9.19 SDPA graphs' workspaces on the H200 (mha_graph->get_workspace_size(), decided by cuDNN's
 #: execution plan, not by torch): the forward's is 256 bytes whatever the shape; the backward's is an fp32
-#: [B, nh, S, max(d, CUDNN_BWD_WORKSPACE_MIN_DIM)] buffer, one fp32 [B, nh, S] row and 256 bytes. Read off the
-#: H200 traces: head_dim 64 (benchmarks/accuracy/traces/trace-llama1b-*: S 1k-4k, batch 1 and 4, 32 heads) and
-#: 128 (trace-s1-049-mistral-7b-*: 32 heads, S 16k, a sliding-window mask) both give 128 floats per row, and
-#: tools/mla_sdpa_probe.py's backward peaks (benchmarks/attention/mla-sdpa-probe-h200.jsonl) give 128 at
-#: d = 128 and 192 at DeepSeek's q/k width 192
+#: [B, nh, S, w] buffer, one fp32 [B, nh, S] row and 256 bytes, w the widest head (q/k or v) — doubled for
+#: grouped-query attention without a mask (the causal graph). Read off the committed H200 and H100 traces (48
+#: jobs, tools: benchmarks/accuracy/README.md, session 18): w = d for every multi-head job (Llama-2, OLMo 2,
+#: BLOOM, Pythia at d 256, Phi-3-mini at d 96, DeepSeek's MLA at q/k width 192) and every masked one (Mistral's
+#: and Phi-3-medium's sliding window, Gemma 2), w = 2·d for every unmasked grouped-query one (Llama-3.2-1B and
+#: Qwen2.5-0.5B at d 64; Qwen3, Qwen2.5-72B, Mixtral, Llama-2-70B, Llama-3 8B and 405B, Mistral under Ulysses at
+#: d 128), whatever the dtype and the sequence
 CUDNN_FWD_WORKSPACE_BYTES = CUDNN_BWD_WORKSPACE_EXTRA_BYTES = 256
-CUDNN_BWD_WORKSPACE_MIN_DIM = 128
 
 
-def cudnn_bwd_workspace_bytes(g: Geometry) -> int:
+def cudnn_bwd_workspace_bytes(g: Geometry, masked: bool) -> int:
     """The backward cuDNN graph's workspace (see CUDNN_FWD_WORKSPACE_BYTES)."""
     rows = FP32 * g.batch * g.heads * g.seq
-    return rows * max(g.head_dim, CUDNN_BWD_WORKSPACE_MIN_DIM) + rows + CUDNN_BWD_WORKSPACE_EXTRA_BYTES
+    width = max(g.head_dim, g.dv) * (2 if g.heads != g.kv_heads and not masked else 1)
+    return rows * width + rows + CUDNN_BWD_WORKSPACE_EXTRA_BYTES
 
 
 def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Geometry, *, dropout: float,
@@ -208,7 +210,7 @@ def cudnn_attention(net, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g
         tmp = ctx.new(f"{name}.grad_out_copy.tmp", g.v_bytes())
         grads = (ctx.new(f"grad.{name}.q", q.nbytes), ctx.new(f"grad.{name}.k", k.nbytes),
                  ctx.new(f"grad.{name}.v", v.nbytes))
-        work = ctx.new(f"{name}.workspace.tmp", cudnn_bwd_workspace_bytes(g))
+        work = ctx.new(f"{name}.workspace.tmp", cudnn_bwd_workspace_bytes(g, mask is not None))
         ctx.free(work)
         ctx.free(tmp)
         return grads

@@ -1,6 +1,8 @@
 """CUDA's reduction kernel's global-memory staging (aten/src/ATen/native/cuda/Reduce.cuh, torch 2.11): what
 ``grad.sum(0)`` of a contiguous [rows, out] tensor allocates besides its result — the engine's
-``InputMetadata::reduce_grad`` summing a linear's incoming grad down to its bias (validate_outputs).
+``InputMetadata::reduce_grad`` summing a broadcast operand's grad down to its size (validate_outputs): a linear's
+incoming grad to its bias, an RMSNorm's ``weight · x`` grad to the weight (trace19-s4-041: Qwen3-MoE at 8K, the
+[8192, 2048] fp16 sum staged 128 MiB and 64 semaphore bytes after each norm weight's 4 KiB grad).
 
 setReduceConfig for a reduction over the slow dimension: the block maps to the outputs (block_x_reduce off), the
 output vectorised by get_output_vec_size (4, halved until it divides ``out``), set_block_dimension(out / vec,
@@ -61,3 +63,11 @@ def sum_rows_staging(rows: int, out: int, sms: int = H200_SMS, threads_per_sm: i
     if ctas <= 1:
         return 0, 0
     return ACC_BYTES * out * ctas * width * vec, 4 * grid_x
+
+
+def stage_reduction(out, index: int, rows: int, out_elems: int) -> None:
+    """Input ``index`` of the node that made ``out`` gets its grad summed from [rows, out_elems] on CUDA (the
+    staging Autograd._validate_outputs allocates after the sum's result); nothing for a node-less tensor."""
+    node = out.node
+    if node is not None:
+        node.reduce_staging = {**(node.reduce_staging or {}), index: sum_rows_staging(rows, out_elems)}

@@ -225,7 +225,8 @@ class Net:
     def rmsnorm(self, x: Tensor, name: str) -> Tensor:
         """The family's RMSNorm module ``name`` on x."""
         w = self.p[f"{name}.weight"]
-        return self.module(name, lambda z: B.rmsnorm(self.ag, z, w, self.s.b, name), x, params=(w,))
+        return self.module(name, lambda z: B.rmsnorm(self.ag, z, w, self.s.b, name, self.device == "cuda"), x,
+                           params=(w,))
 
     def layer(self, i: int, x: Tensor, run, extras: tuple[Tensor, ...] = ()) -> Tensor:
         """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing layer function. ``extras``: the

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .. import blocks as B
 from .. import blocks_attention as A
 from ..autograd import Tensor
+from ..cuda_reduce import stage_reduction
 from ..transformer import Net, Output
 from . import llama
 
@@ -52,6 +53,8 @@ def _rmsnorm(net: Net, x: Tensor, w: Tensor, name: str) -> Tensor:
     promoted = ag.empty(f"{name}.weight_fp32", w32) if cpu16 and not ag.recompute_stops_at_next_op() else None
     saved = tuple(t for t, other in ((h2, w), (w, h2)) if other.requires_grad)  # as blocks.mul
     prod = ag.op(f"{name}.weighted_fp32", B.FP32 * n, (w, h2), saved, backward)
+    if net.device == "cuda" and w.requires_grad:  # the weight's fp32 grad summed to [h], then cast
+        stage_reduction(prod, 0, rows, w.nbytes // b)
     ag.release(promoted)
     out = B.to_dtype(ag, prod, b * n, f"{name}.out")
     ag.release(prod)
