@@ -54,9 +54,8 @@ MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 4, "check": 20}
 #: (part, bar) → why the bar does not hold on what is committed. Strict: a bar that starts to hold fails here
 #: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
 _RESERVED_LEDGER = ("under: Phi-3 ZeRO-3 at one rank with parameter offload (its non-blocking gathers run further "
-                    "ahead than the timing replay lets them), a Qwen3-MoE ZeRO-3 job's backward transients, a 16K "
-                    "tinymixtral row; over: shared-GPU ZeRO-3 rows, judged only above, where the replay times the "
-                    "job as if alone (a Ulysses sp 8 row the most) (issue 12)")
+                    "ahead than the timing replay lets them); over: shared-GPU ZeRO-3 rows, judged only above, where "
+                    "the replay times the job as if alone (a Ulysses sp 8 row the most) (issue 12)")
 _PHASES = ("jobs outside the ledger (tp; untested there: the MoE auxiliary loss, Ulysses on GPT-2 / NeoX or under the "
            "Trainer): the phase lists do not simulate the caching allocator, so their reserved figure is a rule of thumb")
 _CHECK = ("the held-out split is judged, never studied: under, ZeRO-3 rows run alone whose GPU the replay puts "
