@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memplan.verify.hfbuild import PARTITION_BOUND, bound_partitions  # noqa: E402
+from memplan.verify.hfbuild import PARTITION_BOUND, bound_partitions
 
 
 class _Owner(torch.nn.Module):

@@ -56,7 +56,7 @@ def hybrid(L: Ledger, T: Ledger, to_ledger: dict[int, int], trace_order: set[str
     """The ledger's matched tensors, each phase in the ledger's order or (``trace_order``) the trace's."""
     kept = set(to_ledger.values())
     pl, pt = phases(L), phases(T)
-    out, ids = Ledger(), {}
+    out, ids, live = Ledger(), {}, set()
     for label, (a, b) in pl.items():
         out.mark(label)
         if label in trace_order and label in pt:
@@ -68,8 +68,10 @@ def hybrid(L: Ledger, T: Ledger, to_ledger: dict[int, int], trace_order: set[str
             t = e if e >= 0 else ~e
             if e >= 0 and t not in ids:
                 ids[t] = out.alloc(L.names[t], L.sizes[t], L.components[t], L.streams[t])
-            elif e < 0 and t in ids and ids[t] in out._live:
+                live.add(t)
+            elif e < 0 and t in live:  # a tensor the other order freed already, or never allocated here
                 out.free(ids[t])
+                live.discard(t)
     return out
 
 
