@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from memplan.accuracy import iter_rows, job_of_row, skipped_steps
+from memplan.allocator.replay import ledger_from_trace
 from memplan.allocator.trace import ALLOC
 from memplan.estimator.program import build_ledger
 
@@ -26,6 +27,7 @@ KINDS = {"cuDNN workspace": lambda name, size: name.endswith("cudnn.workspace.tm
 def predicted_and_traced():
     """(row name, kind → the ledger's sizes, the trace's allocation sizes) of every traced one-step-per-phase row."""
     out = []
+    sorts.clear()
     for row in iter_rows(ROOT):
         path = TRACES.get(row["name"])
         if path is None or row.get("status") != "ok" or row.get("layers"):
@@ -36,7 +38,24 @@ def predicted_and_traced():
         with gzip.open(path) as f:
             trace = json.load(f)
         out.append((row["name"], sizes, {s for a, s in zip(trace["action"], trace["size"]) if a == ALLOC}))
+        index_bytes = {size for name, size in zip(L.names, L.sizes) if name.endswith(".linear_indices.tmp")}
+        if index_bytes:
+            T = ledger_from_trace(trace, phases=[p["name"] for p in row["phases"]])
+            sorts.append((row["name"], _count(L, index_bytes), _count(T, index_bytes)))
     return out
+
+
+#: (row, the ledger's and the trace's allocations of an index_put sort's int64 buffer size in step 0's backward)
+sorts: list[tuple[str, int, int]] = []
+
+
+def _count(L, sizes: set[int], phase: str = "step0.micro0.backward") -> int:
+    marks = sorted((m for m in L.marks if m.kind == "phase"), key=lambda m: m.at)
+    for i, m in enumerate(marks):
+        if m.label == phase:
+            stop = marks[i + 1].at if i + 1 < len(marks) else len(L.events)
+            return sum(1 for e in L.events[m.at:stop] if e >= 0 and L.sizes[e] in sizes)
+    return 0
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -45,3 +64,13 @@ def test_every_predicted_kernel_temporary_is_a_traced_allocation(kind, predicted
     assert len(rows) >= 20, f"only {len(rows)} traced rows predict a {kind}"
     missing = {name: sorted(predicted - traced) for name, predicted, traced in rows if not predicted <= traced}
     assert not missing, f"{kind} sizes no trace allocated: {missing}"
+
+
+def test_index_put_sorts_allocate_their_five_int64_buffers(predicted_and_traced):
+    """An MoE backward's IndexBackward0 runs index_put_with_sort_kernel: remainder (a temporary), linear, sorted,
+    orig and range buffers of the index's int64 size (blocks_moe.index_rows). In step 0's backward the traces hold
+    at least as many blocks of that size as the ledger, and at most three more (other tensors of the same size);
+    with three of the five buffers the ledger fell short by two per sort, six or more per MoE layer."""
+    assert len(sorts) >= 10, f"only {len(sorts)} traced MoE rows"
+    off = {name: (ledger, traced) for name, ledger, traced in sorts if not 0 <= traced - ledger <= 3}
+    assert not off, f"index_put buffer counts (ledger, trace) off: {off}"

@@ -79,12 +79,18 @@ def masked_fill(ag: Autograd, x: Tensor, mask: Tensor, name: str, in_place: bool
 
 def index_rows(ag: Autograd, net, x: Tensor, index: Tensor, rows: int, row_bytes: int, name: str) -> Tensor:
     """x[index] for an int64 index of ``rows`` entries: [rows, ..] rows of x. IndexBackward0 saves the index;
-    its backward is zeros of x's size with index_put_(accumulate=True) (on CUDA through a sort of the
-    indices: linear, sorted and original int64 indices, temporaries)."""
+    its backward is zeros of x's size with _index_put_impl_(accumulate=True, unsafe=True), on CUDA
+    index_put_with_sort_kernel (aten/src/ATen/native/cuda/Indexing.cu): computeLinearIndex's
+    ``index.remainder(size) * stride`` (the remainder a temporary), then sorted_indices, orig_indices and the
+    ``arange`` range, cub's radix_sort_pairs (its temp storage, about two more buffers of the keys' size, is not
+    counted), and the locals die last made first (range, orig, sorted, linear): trace19-s4-041's order."""
     def backward(ctx: _Ctx, grad: Tensor, node):
         g = ctx.new(f"grad.{name}", x.nbytes)
         if net.device == "cuda":
-            tmp = [ctx.new(f"{name}.{w}_indices.tmp", INT64 * rows) for w in ("linear", "sorted", "orig")]
+            remainder = ctx.new(f"{name}.remainder.tmp", INT64 * rows)
+            tmp = [ctx.new(f"{name}.linear_indices.tmp", INT64 * rows)]
+            ctx.free(remainder)
+            tmp += [ctx.new(f"{name}.{w}.tmp", INT64 * rows) for w in ("sorted_indices", "orig_indices", "range")]
             for t in reversed(tmp):
                 ctx.free(t)
         return (g,)
