@@ -154,8 +154,7 @@ def rmsnorm(ag: Autograd, x: Tensor, weight: Tensor, b: int, name: str, cuda: bo
     ag.release(h32)  # hidden_states rebound
     hb = to_dtype(ag, h2, b * n, f"{name}.normed")
     out = mul(ag, weight, hb, b * n, f"{name}.out")
-    if cuda and weight.requires_grad:
-        stage_reduction(out, 0, rows, weight.nbytes // b)
+    stage_reduction(out, 0, rows, weight.nbytes // b, cuda)
     ag.release(hb)
     ag.release(h2)  # the function returns: hidden_states, then variance
     ag.release(var)

@@ -68,8 +68,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
         saved = saved[::-1]  # releases mat2_ (the weight) before self_; a parameter's release frees no bytes
     out = ag.op(name, out_bytes, inputs, saved, backward, flops=gemm_flops(in_bytes, w_bytes, out_bytes, ag.elem_bytes))
     ag.first_matmul()  # its output is allocated before the gemm asks for the thread's cuBLAS handle
-    if bias is not None and bias.requires_grad and cuda_bytes:
-        stage_reduction(out, inputs.index(bias), out_bytes // bias.nbytes, bias.nbytes // cuda_bytes)
+    if bias is not None and cuda_bytes:
+        stage_reduction(out, inputs.index(bias), out_bytes // bias.nbytes, bias.nbytes // cuda_bytes, True)
     return out
 
 

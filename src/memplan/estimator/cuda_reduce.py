@@ -65,9 +65,10 @@ def sum_rows_staging(rows: int, out: int, sms: int = H200_SMS, threads_per_sm: i
     return ACC_BYTES * out * ctas * width * vec, 4 * grid_x
 
 
-def stage_reduction(out, index: int, rows: int, out_elems: int) -> None:
-    """Input ``index`` of the node that made ``out`` gets its grad summed from [rows, out_elems] on CUDA (the
-    staging Autograd._validate_outputs allocates after the sum's result); nothing for a node-less tensor."""
+def stage_reduction(out, index: int, rows: int, out_elems: int, cuda: bool) -> None:
+    """Input ``index`` of the node that made ``out`` gets its grad summed from [rows, out_elems] (the staging
+    Autograd._validate_outputs allocates after the sum's result): on CUDA, for an input that requires grad;
+    nothing for a node-less tensor."""
     node = out.node
-    if node is not None:
+    if cuda and node is not None and node.inputs[index].requires_grad:
         node.reduce_staging = {**(node.reduce_staging or {}), index: sum_rows_staging(rows, out_elems)}

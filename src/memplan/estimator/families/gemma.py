@@ -57,8 +57,7 @@ def _rmsnorm(net: Net, x: Tensor, w: Tensor, name: str) -> Tensor:
     plus = B.add_scalar(ag, w32, f"{name}.one_plus_weight")
     ag.release(w32)
     out32 = B.mul(ag, normed, plus, B.FP32 * n, f"{name}.scaled_fp32")  # (1 + w)'s grad: summed to [h] fp32
-    if net.device == "cuda" and plus.requires_grad:
-        stage_reduction(out32, 1, rows, wn)
+    stage_reduction(out32, 1, rows, wn, net.device == "cuda")
     ag.release(plus)
     ag.release(normed)
     out = B.to_dtype(ag, out32, x.nbytes, f"{name}.out")

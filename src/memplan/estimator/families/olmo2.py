@@ -53,8 +53,7 @@ def _rmsnorm(net: Net, x: Tensor, w: Tensor, name: str) -> Tensor:
     promoted = ag.empty(f"{name}.weight_fp32", w32) if cpu16 and not ag.recompute_stops_at_next_op() else None
     saved = tuple(t for t, other in ((h2, w), (w, h2)) if other.requires_grad)  # as blocks.mul
     prod = ag.op(f"{name}.weighted_fp32", B.FP32 * n, (w, h2), saved, backward)
-    if net.device == "cuda" and w.requires_grad:  # the weight's fp32 grad summed to [h], then cast
-        stage_reduction(prod, 0, rows, w.nbytes // b)
+    stage_reduction(prod, 0, rows, w.nbytes // b, net.device == "cuda")  # the weight's fp32 grad, then cast
     ag.release(promoted)
     out = B.to_dtype(ag, prod, b * n, f"{name}.out")
     ag.release(prod)
