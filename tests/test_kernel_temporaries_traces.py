@@ -50,12 +50,8 @@ sorts: list[tuple[str, int, int]] = []
 
 
 def _count(L, sizes: set[int], phase: str = "step0.micro0.backward") -> int:
-    marks = sorted((m for m in L.marks if m.kind == "phase"), key=lambda m: m.at)
-    for i, m in enumerate(marks):
-        if m.label == phase:
-            stop = marks[i + 1].at if i + 1 < len(marks) else len(L.events)
-            return sum(1 for e in L.events[m.at:stop] if e >= 0 and L.sizes[e] in sizes)
-    return 0
+    return next((sum(1 for e in L.events[start:stop] if e >= 0 and L.sizes[e] in sizes)
+                 for label, start, stop in L.phase_spans() if label == phase), 0)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -4,7 +4,7 @@ The trace's own events (memplan.allocator.replay.ledger_from_trace) are renamed 
 phase's allocations and frees are aligned with the ledger's (difflib over (action, bytes)), allocations the other
 side lacks are dropped from both, and the rest are replayed through the caching-allocator simulator with the
 ledger's order in every phase but one, which takes the trace's order (then the trace's order for every phase up
-to one). A phase whose trace order alone moves the peak is where to look; ``--show PHASE`` prints that phase's
+to one; empty_cache marks are not replayed). A phase whose trace order alone moves the peak is where to look; ``--show PHASE`` prints that phase's
 differences in the ledger's names.
 
 Usage: python tools/ledger_order_bisect.py ROW_NAME TRACE.json.gz [--show PHASE]
@@ -28,8 +28,7 @@ GIB = 2**30
 
 
 def phases(L: Ledger) -> dict[str, tuple[int, int]]:
-    marks = sorted((m for m in L.marks if m.kind == "phase"), key=lambda m: m.at)
-    return {m.label: (m.at, marks[i + 1].at if i + 1 < len(marks) else len(L.events)) for i, m in enumerate(marks)}
+    return {label: (start, stop) for label, start, stop in L.phase_spans()}
 
 
 def key(L: Ledger, e: int) -> tuple[str, int]:
