@@ -4,8 +4,8 @@ The trace's own events (memplan.allocator.replay.ledger_from_trace) are renamed 
 phase's allocations and frees are aligned with the ledger's (difflib over (action, bytes)), allocations the other
 side lacks are dropped from both, and the rest are replayed through the caching-allocator simulator with the
 ledger's order in every phase but one, which takes the trace's order (then the trace's order for every phase up
-to one; empty_cache marks are not replayed). A phase whose trace order alone moves the peak is where to look; ``--show PHASE`` prints that phase's
-differences in the ledger's names.
+to one; empty_cache marks are not replayed). A phase whose trace order alone moves the peak is where to look;
+``--show PHASE`` prints that phase's differences in the ledger's names.
 
 Usage: python tools/ledger_order_bisect.py ROW_NAME TRACE.json.gz [--show PHASE]
 """
