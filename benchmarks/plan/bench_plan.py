@@ -2,8 +2,12 @@
 
 Run: python benchmarks/plan/bench_plan.py   (prints a Markdown table to paste into README.md)
 
-- throughput: search(space, prune=False) evaluates every valid candidate (the estimator's quick_peak, the perf
-  model and a Candidate each); evaluated / wall seconds, best of REPEATS.
+- throughput: search(space, prune=False) evaluates every valid candidate (the screen, estimator.screen_peak, the
+  perf model and a Candidate each) and confirms the shown rows with the ledger (memplan.plan.confirm); evaluated /
+  wall seconds, best of REPEATS.
+- screened/s: the same search without the confirmation (peak_fn=default_screen_fn(), no exact_fn): what the
+  candidates themselves cost; confirm s: the whole search's seconds less the screened search's, and the ledger
+  runs it made (a cost per plan, CONFIRM_LIMIT × top runs at most, not per candidate).
 - seed search: the default (pruned) search of `memplan plan --model 176b --seq 32768 --gpus 8 --gpu a100-80g
   --target 24GiB`, in process (best of REPEATS) and as a fresh `memplan plan` process (best of REPEATS).
 """
@@ -17,7 +21,7 @@ import sys
 import time
 
 from memplan.plan.hardware import resolve_hardware
-from memplan.plan.search import search
+from memplan.plan.search import default_screen_fn, search
 from memplan.plan.space import PlanSpace, default_global_batch
 from memplan.presets import load_model
 
@@ -59,14 +63,16 @@ def _cli_seconds() -> float:
 def main() -> None:
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, {platform.platform()}")
-    print("\n| scenario | valid candidates | evaluated/s (no pruning) | pruned search s | evaluated (pruned) | feasible |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| scenario | valid candidates | evaluated/s (no pruning) | screened/s | confirm s (ledger runs) "
+          "| pruned search s | evaluated (pruned) | feasible |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, args in SCENARIOS.items():
         space = _space(*args)
         full_s, full = _best(lambda s=space: search(s, prune=False))
+        screen_s, screened = _best(lambda s=space: search(s, peak_fn=default_screen_fn(), prune=False))
         pruned_s, pruned = _best(lambda s=space: search(s))
-        print(f"| {name} | {full.searched} | {full.evaluated / full_s:,.0f} | {pruned_s:.3f} | {pruned.evaluated} "
-              f"| {pruned.feasible} |")
+        print(f"| {name} | {full.searched} | {full.evaluated / full_s:,.0f} | {screened.evaluated / screen_s:,.0f} "
+              f"| {full_s - screen_s:.2f} ({full.confirmed}) | {pruned_s:.3f} | {pruned.evaluated} | {pruned.feasible} |")
     print(f"\nseed `memplan {' '.join(SEED_ARGV)}` as a fresh process: {_cli_seconds():.2f} s (best of {REPEATS})")
 
 

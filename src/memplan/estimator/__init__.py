@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import NamedTuple
 
 from ..result import Estimate, Part, Phase
@@ -9,7 +10,7 @@ from ..specs import Job
 from ..units import dtype_bytes
 from .layout import rank_share
 from .overheads import non_torch_bytes, reserved_bytes
-from .phases import build_phases, model_states
+from .phases import build_phases, model_states, phases_and_states
 
 
 class QuickPeak(NamedTuple):
@@ -195,21 +196,24 @@ def quick_peak(job: Job, rank0: bool = False, stepped: bool = True, skipped=None
     (estimator.gpu_time)."""
     if ledger_supported(job):
         return _ledger_quick(job, (() if stepped else range(3)) if skipped is None else skipped, gpu)
-    return _summary(job, build_phases(job, rank0, stepped))
+    phases, st = phases_and_states(job, rank0, stepped)
+    # the host and NVMe figures are the most loaded rank's, as in the ledger's path
+    return _summary(job, phases, model_states(job, rank_share(job)) if rank0 else st)
 
 
 def screen_peak(job: Job) -> QuickPeak:
     """The phase-list model alone (estimator/phases.py: closed forms per phase, microseconds a job): what
     `plan` screens its thousands of candidates with before quick_peak confirms the ones it shows
     (memplan.plan.confirm). Not the estimate: for the jobs the ledger models, quick_peak is."""
-    return _summary(job, build_phases(job))
+    return _summary(job, *phases_and_states(job))
 
 
-def _summary(job: Job, phases) -> QuickPeak:
-    """The headline numbers of already built phases."""
-    name, parts = max(phases, key=lambda ph: sum(p[1] for p in ph[1]))
-    peak = sum(p[1] for p in parts)
-    st = model_states(job, rank_share(job))
+_BYTES, _FIRST = itemgetter(1), itemgetter(0)  # a part's bytes; a (bytes, name, parts) triple's bytes
+
+
+def _summary(job: Job, phases, st) -> QuickPeak:
+    """The headline numbers of already built phases and the first stage's model states."""
+    peak, name, parts = max(((sum(map(_BYTES, parts)), name, parts) for name, parts in phases), key=_FIRST)
     reserved = reserved_bytes(job, peak, parts)
     rpn = _ranks_per_node(job)
     return QuickPeak(peak, reserved, reserved + non_torch_bytes(job), st.host_bytes * rpn, st.nvme_bytes * rpn, name)
@@ -287,8 +291,8 @@ def estimate_job(job: Job, gpu=None) -> Estimate:
     memplan.gpus.GpuSpec, the reference GPU when None) is the GPU the job runs on (estimator.gpu_time)."""
     if ledger_supported(job):
         return _ledger_estimate(job, gpu)
-    phases = build_phases(job)
-    q = _summary(job, phases)
+    phases, st = phases_and_states(job)
+    q = _summary(job, phases, st)
     timeline = tuple(
         Phase(name=name, parts=tuple(Part(name=p[0], bytes=p[1], detail=p[2]) for p in parts if p[1]))
         for name, parts in phases

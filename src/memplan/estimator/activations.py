@@ -251,6 +251,7 @@ def layer_input_bytes_per_token(m: ModelSpec, b: int) -> int:
     return b * m.hidden_size
 
 
+@lru_cache(maxsize=4096)
 def backward_transient_bytes_per_token(m: ModelSpec, b: int, attention: str, seq: int, tp: int = 1) -> int:
     """Largest set of gradient temporaries inside one layer's backward, per token.
 

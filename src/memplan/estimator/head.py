@@ -20,11 +20,14 @@ own additive copy, in activations_families.py).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..specs import ModelSpec
 from . import activations_families as families
 from .activations import DROPOUT_MASK_BYTES, LN_STATS_BYTES, RMS_RSQRT_BYTES, Term
 
 
+@lru_cache(maxsize=4096)
 def saved_terms(m: ModelSpec, b: int, seq: int = 0, tp: int = 1) -> tuple[Term, ...]:
     """What stays saved outside the layers until backward reaches it, per token of this rank."""
     h, v = m.hidden_size, m.vocab_size
@@ -47,6 +50,12 @@ def saved_terms(m: ModelSpec, b: int, seq: int = 0, tp: int = 1) -> tuple[Term, 
     terms.append(Term("lm_head.input", b * h, "final norm output [T, h]"))
     terms.append(Term("loss.log_softmax", 4 * v // tp, "log_softmax output [T, V/tp] fp32 (vocab-parallel)"))
     return tuple(terms)
+
+
+@lru_cache(maxsize=4096)
+def saved_bytes_per_token(m: ModelSpec, b: int, seq: int = 0, tp: int = 1) -> int:
+    """The sum of saved_terms: bytes outside the layers per token of this rank."""
+    return sum(x.bytes_per_token for x in saved_terms(m, b, seq, tp))
 
 
 def forward_loss_transient_per_token(m: ModelSpec, b: int, tp: int = 1) -> int:

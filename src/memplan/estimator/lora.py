@@ -335,15 +335,20 @@ class SavedDeltas:
     head: int  # outside the layers: embedding, final norm, lm_head
 
 
-@lru_cache(maxsize=1024)
+_NO_DELTAS = SavedDeltas(0, 0, 0)
+
+
 def saved_deltas(training: TrainingSpec, model: ModelSpec, seq: int, ulysses: bool) -> SavedDeltas:
     """apply() on layer 0's and the head's terms, as differences (0 for full training)."""
+    return _NO_DELTAS if trains_everything(training) else _adapted_deltas(training, model, seq, ulysses)
+
+
+@lru_cache(maxsize=1024)
+def _adapted_deltas(training: TrainingSpec, model: ModelSpec, seq: int, ulysses: bool) -> SavedDeltas:
     from ..units import dtype_bytes
     from . import head
     from .activations import layer_terms
 
-    if trains_everything(training):
-        return SavedDeltas(0, 0, 0)
     b = dtype_bytes(training.dtype)
     terms = layer_terms(model, b, training.attention, seq, ulysses, 0)
     place = layer_place(training, model)

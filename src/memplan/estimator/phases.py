@@ -81,15 +81,24 @@ def build_phases(job: Job, rank0: bool = False, stepped: bool = True) -> list[tu
     Under pipeline parallelism the first and the last stage are both modelled (phase names start with the
     stage); the peak of the two is the most loaded rank's. ``stepped=False``: no optimizer step has
     succeeded yet (fp16's loss scaler skips overflowing steps; optimizers create their states lazily)."""
+    return phases_and_states(job, rank0, stepped)[0]
+
+
+def phases_and_states(job: Job, rank0: bool = False, stepped: bool = True
+                      ) -> tuple[list[tuple[str, list[Part]]], States]:
+    """build_phases, and the model states of the first stage's rank (what the host and NVMe figures read)."""
     lay = job.layout
+    share = rank_share(job)
+    st = model_states(job, share, rank0)
     if lay.pp == 1:
-        return _stage_phases(job, rank_share(job), rank0, stepped, first=True, last=True)
+        return _stage_phases(job, share, st, stepped, first=True, last=True), st
     # 1F1B (deepspeed/runtime/pipe/schedule.py TrainSchedule.num_pipe_buffers): stage s keeps
     # min(pp − s, micro-batches) micro-batches in flight
-    first = _stage_phases(job, rank_share(job), rank0, stepped, first=True, last=False)
-    last = _stage_phases(job, rank_share(job, last=True), rank0, stepped, first=False, last=True)
+    first = _stage_phases(job, share, st, stepped, first=True, last=False)
+    last_share = rank_share(job, last=True)
+    last = _stage_phases(job, last_share, model_states(job, last_share, rank0), stepped, first=False, last=True)
     return ([(f"stage 0, {name}", parts) for name, parts in first]
-            + [(f"stage {lay.pp - 1}, {name}", parts) for name, parts in last])
+            + [(f"stage {lay.pp - 1}, {name}", parts) for name, parts in last]), st
 
 
 #: pipe buffers a last pipeline stage keeps logits in: TrainSchedule.num_pipe_buffers is at least 2 and the
@@ -143,7 +152,7 @@ def _activations(job: Job, share: RankShare, first: bool, last: bool) -> Activat
     if lay.pp > 1 and last:
         pipe += LAST_STAGE_LOGITS_BUFFERS * b * m.vocab_size // lay.tp * tokens
     if last:
-        outside = (sum(x.bytes_per_token for x in head.saved_terms(m, b, seq, lay.tp)) + frozen.head) * tokens
+        outside = (head.saved_bytes_per_token(m, b, seq, lay.tp) + frozen.head) * tokens
     else:
         outside = 8 * tokens  # a first pipeline stage keeps only the input ids for the embedding
     return Activations(
@@ -223,13 +232,13 @@ def _grads(job: Job, share: RankShare, st: States, last: bool) -> Grads:
     return Grads(carried, top, bottom, bucket, whole)
 
 
-def _stage_phases(job: Job, share: RankShare, rank0: bool, stepped: bool, first: bool,
+def _stage_phases(job: Job, share: RankShare, st: States, stepped: bool, first: bool,
                   last: bool) -> list[tuple[str, list[Part]]]:
-    """The phases of one rank holding ``share``; ``first`` holds the embeddings, ``last`` the head and loss."""
+    """The phases of one rank holding ``share`` (model states ``st``); ``first`` holds the embeddings, ``last``
+    the head and loss."""
     t, z, lay, m = job.training, job.training.zero, job.layout, job.model
     b = dtype_bytes(t.dtype)
     tokens = job.tokens_per_rank
-    st = model_states(job, share, rank0)
     a = _activations(job, share, first, last)
     g = _grads(job, share, st, last)
     base = _base_parts(job, share, st, stepped)

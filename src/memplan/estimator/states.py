@@ -9,6 +9,7 @@ parameter's numel. Sources are DeepSpeed files under deepspeed/runtime/.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..units import round_up
 from .optim import fused_fp16_optimizer
@@ -144,6 +145,7 @@ OPTIMIZER_SWAP_BUFFERS = 4
 PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_ELEMENTS, PARAM_MAX_IN_CPU = 5, 100_000_000, 1_000_000_000
 
 
+@lru_cache(maxsize=4096)  # the body's import runs once per size: plan screens thousands of jobs
 def _pinned(nbytes: int) -> int:
     """A pinned host tensor's block (CachingHostAllocator: the next power of two; estimator/places.py)."""
     from .places import pinned_block_bytes
