@@ -10,7 +10,7 @@ from ..specs import Job
 from ..units import dtype_bytes
 from .layout import rank_share
 from .overheads import non_torch_bytes, reserved_bytes
-from .phases import build_phases, model_states, phases_and_states
+from .phases import model_states, phases_and_states
 
 
 class QuickPeak(NamedTuple):

@@ -40,7 +40,7 @@ from ..units import dtype_bytes
 from . import blocks as B
 from . import pipe_schedule as P
 from .autograd import Autograd, Tensor
-from .transformer import causal_lm_loss
+from .causal_lm import causal_lm_loss
 
 if TYPE_CHECKING:
     from .pipeline import Stage

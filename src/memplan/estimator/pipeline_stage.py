@@ -11,7 +11,7 @@ something saved it), in the autograd model.
   ``layer``), its output passed on with the position ids.
 - GPT2Positions: ``drop(hidden + wpe(arange(S)).unsqueeze(0))``; GPT2Layer: transformers' GPT2Block, no mask.
 - LlamaFinalNorm / GPT2FinalNorm on the hidden states; LMHead: ``F.linear(hidden, weight)`` (the tied
-  embedding's weight under a TiedLayerSpec); the loss_fn ForCausalLMLoss (transformer.causal_lm_loss).
+  embedding's weight under a TiedLayerSpec); the loss_fn ForCausalLMLoss (causal_lm.causal_lm_loss).
 
 Returns what the stage sends on ((hidden, position ids) or (hidden,)), or on the last stage (logits,), which
 the engine hands to the loss_fn (estimator/pipeline.py).
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from . import blocks_gpt as G
 from .autograd import Autograd, Tensor
-from .transformer import Net, embedding, logits_comp, rotary
+from .causal_lm import embedding, logits_comp
+from .transformer import Net, rotary
 
 INT64 = 8
 

@@ -12,7 +12,8 @@ from .. import blocks as B
 from .. import blocks_linear as BL
 from ..autograd import Tensor, _Ctx
 from ..timing import gemm_flops
-from ..transformer import INT64, Net, Output, causal_lm_head, embedding
+from ..causal_lm import causal_lm_head, embedding
+from ..transformer import INT64, Net, Output
 
 INT32 = 4
 

@@ -17,17 +17,8 @@ from .. import blocks as B
 from .. import blocks_attention as A
 from ..autograd import Tensor
 from ..cuda_reduce import stage_reduction
-from ..transformer import (
-    Net,
-    Output,
-    causal_lm_head,
-    causal_mask,
-    embedding,
-    frame_extras,
-    packed_sequence_check,
-    position_ids,
-    rotary,
-)
+from ..causal_lm import causal_lm_head, embedding
+from ..transformer import Net, Output, causal_mask, frame_extras, packed_sequence_check, position_ids, rotary
 from . import llama
 
 

@@ -10,16 +10,8 @@ from .. import blocks_attention as A
 from .. import blocks_gpt as G
 from .. import blocks_linear as BL
 from ..autograd import Tensor
-from ..transformer import (
-    Net,
-    Output,
-    causal_lm_head,
-    causal_mask,
-    embedding,
-    frame_extras,
-    packed_sequence_check,
-    position_ids,
-)
+from ..causal_lm import causal_lm_head, embedding
+from ..transformer import Net, Output, causal_mask, frame_extras, packed_sequence_check, position_ids
 
 
 def dropout(net: Net, x: Tensor, p: float, name: str) -> Tensor:

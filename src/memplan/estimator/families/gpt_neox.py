@@ -10,16 +10,8 @@ from .. import blocks as B
 from .. import blocks_attention as A
 from .. import blocks_gpt as G
 from ..autograd import Tensor
-from ..transformer import (
-    Net,
-    Output,
-    causal_lm_head,
-    causal_mask,
-    embedding,
-    frame_extras,
-    positions,
-    rotary,
-)
+from ..causal_lm import causal_lm_head, embedding
+from ..transformer import Net, Output, causal_mask, frame_extras, positions, rotary
 
 
 def rotary_dims(net: Net) -> int:
