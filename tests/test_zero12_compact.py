@@ -11,8 +11,9 @@ this holds is s1-049 (tests/test_accuracy.py).
 from __future__ import annotations
 
 from memplan.estimator.autograd import Autograd
+from memplan.estimator.flat_groups import FlatGroup
 from memplan.estimator.optim import Optimizer
-from memplan.estimator.zero12 import FlatGroup, Zero12
+from memplan.estimator.zero12 import Zero12
 from memplan.ledger import Ledger
 
 NAMES = ["p0", "p1", "p2", "p3"]

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from memplan.estimator.autograd import Autograd
+from memplan.estimator.flat_groups import FlatGroup
 from memplan.estimator.optim import Optimizer
-from memplan.estimator.zero12 import REDUCTION_STREAM, FlatGroup, Zero12
+from memplan.estimator.zero12 import REDUCTION_STREAM, Zero12
 from memplan.ledger import Ledger
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from ..ledger import Ledger
 from .autograd import Autograd, Tensor
 from .optim import Optimizer
-from .zero12 import NCCL_START_ALIGNMENT_FACTOR
+from .flat_groups import NCCL_START_ALIGNMENT_FACTOR
 
 FP32 = 4
 

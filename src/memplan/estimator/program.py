@@ -29,6 +29,7 @@ from ..units import MiB, dtype_bytes
 from .autograd import Autograd
 from .bf16opt import BF16Optimizer
 from .families import forward as forward_of
+from .flat_groups import FlatGroup
 from .optim import Optimizer
 from .peft_linear import adapter_tensors, build_adapters, cast_adapters
 from .places import Places
@@ -37,7 +38,7 @@ from .timing import GEMM, GEMM_FP32
 from .transformer import Net, Params, Shape
 from .zero0 import Zero0
 from .zero3 import Zero3
-from .zero12 import FlatGroup, Zero12
+from .zero12 import Zero12
 
 #: a cuBLAS handle's workspace (CublasHandlePool.cpp getChosenWorkspaceSize: 32 MiB on sm90)
 CUBLAS_WORKSPACE_BYTES = 32 * MiB

@@ -12,11 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..units import round_up
+from .flat_groups import NCCL_START_ALIGNMENT_FACTOR
 from .optim import fused_fp16_optimizer
-
-#: ZeRO-1/2 pad the flat 16-bit buffer to nccl_start_alignment_factor (2) × N elements
-#: (stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__: alignment = nccl_start_alignment_factor * world)
-NCCL_START_ALIGNMENT_FACTOR = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .search import Candidate, make_candidate
+from .candidate import Candidate, make_candidate
 from .space import PlanSpace
 
 #: a screened device total up to this factor over the target may still fit by the ledger

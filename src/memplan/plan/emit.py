@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..outputs import check_folder, write_files
 from ..specs import Job
-from .search import Candidate
+from .candidate import Candidate
 from .space import PlanSpace
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import GB, fmt_gib
-from .search import Candidate, PlanResult
+from .candidate import Candidate, PlanResult
 from .space import PlanSpace
 
 

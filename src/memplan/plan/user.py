@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InputError
+from .candidate import PlanResult, make_candidate
 from .render import candidate_dict
-from .search import PlanResult, default_peak_fn, make_candidate
+from .search import default_peak_fn
 
 
 def read_user_files(ds_config: str | None, launch_file: str | None):
