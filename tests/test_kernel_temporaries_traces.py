@@ -1,7 +1,8 @@
 """Kernel temporaries the ledger predicts, against the committed GPU allocation traces: every cuDNN SDPA backward
 workspace (blocks_kernels.cudnn_bwd_workspace_bytes: w = d, or 2·d for grouped-query attention without a mask)
-and every CUDA reduction staging buffer (cuda_reduce.sum_rows_staging: a bias's grad, an RMSNorm weight's grad)
-of a traced row's ledger is a size the row's trace allocated. The sizes are exact (odd byte counts: the fp32 row
+every CUDA reduction staging buffer (cuda_reduce.sum_rows_staging: a bias's grad, an RMSNorm weight's grad) and
+every embedding backward's partial-segment offsets and fp32 partial sums (causal_lm._cuda_sorted_backward:
+t / 10 + min(t, V) rows) of a traced row's ledger is a size the row's trace allocated. The sizes are exact (odd byte counts: the fp32 row
 and the 256 bytes of the workspace), so a wrong width or a wrong CTA count cannot match by chance."""
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy"
 TRACES = {p.name.removesuffix(".json.gz"): p for d in ("traces", "traces-lone", "traces-lone-h100", "traces-19")
           for p in (ROOT / d).glob("*.json.gz")}
 KINDS = {"cuDNN workspace": lambda name, size: name.endswith("cudnn.workspace.tmp") and size > 256,
-         "reduction staging": lambda name, size: name.endswith("reduce_staging.tmp")}
+         "reduction staging": lambda name, size: name.endswith("reduce_staging.tmp"),
+         "embedding partial sums": lambda name, size: name.endswith(("grad_weight_per_segment.tmp",
+                                                                     "partial_segment_offset.tmp"))}
 
 
 @pytest.fixture(scope="module")

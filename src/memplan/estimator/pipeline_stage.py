@@ -37,7 +37,8 @@ def stage_forward(ag: Autograd, ins: tuple, pipe, net_of) -> tuple:
         (ids,) = ins
         embed = "transformer.wte" if gpt2 else "model.embed_tokens"
         w = net.p[f"{embed}.weight"]
-        hidden = net.module(embed, lambda: embedding(ag, m, s, w, name="wte" if gpt2 else "embedding", indices=ids),
+        hidden = net.module(embed, lambda: embedding(ag, m, s, w, name="wte" if gpt2 else "embedding", indices=ids,
+                                                                   cuda=net.device == "cuda"),
                             params=(w,))
         pos = None
         if gpt2:
@@ -90,7 +91,8 @@ def _gpt2_positions(net: Net, hidden: Tensor) -> Tensor:
     ag, m, s = net.ag, net.m, net.s
     pos = ag.empty("pipe.positions.arange", INT64 * s.seq)
     wpe = net.p["transformer.wpe.weight"]
-    pe = net.module("transformer.wpe", lambda: embedding(ag, m, s, wpe, rows=s.seq, name="wpe", indices=pos),
+    pe = net.module("transformer.wpe", lambda: embedding(ag, m, s, wpe, rows=s.seq, name="wpe", indices=pos,
+                                                                   cuda=net.device == "cuda"),
                     params=(wpe,))
     ag.release(pos)
     summed = G.add_broadcast(ag, hidden, pe, "transformer.embeddings")

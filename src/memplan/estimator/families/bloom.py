@@ -230,7 +230,7 @@ def forward(net: Net) -> Output:
     attention_mask = ones, alibi, the mask, each block, ln_f), lm_head, ForCausalLMLoss."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
     w = p["transformer.word_embeddings.weight"]
-    emb = net.module("transformer.word_embeddings", lambda: embedding(ag, m, s, w), params=(w,))
+    emb = net.module("transformer.word_embeddings", lambda: embedding(ag, m, s, w, cuda=net.device == "cuda"), params=(w,))
     hidden = net.layernorm(emb, "transformer.word_embeddings_layernorm")
     ones = ag.empty("attention_mask", B.FP32 * s.batch * s.seq)
     al = alibi(net)

@@ -111,7 +111,7 @@ def forward(net: Net) -> Output:
     w = p["model.embed_tokens.weight"]
 
     def embed():
-        rows = embedding(ag, m, s, w)
+        rows = embedding(ag, m, s, w, cuda=net.device == "cuda")
         scale = ag.empty("model.embed_tokens.embed_scale", s.b)  # embed_scale.to(weight dtype): 0-d
         out = B.mul(ag, rows, scale, rows.nbytes, "model.embed_tokens.scaled")
         ag.release(rows)

@@ -114,10 +114,11 @@ def forward(net: Net) -> Output:
     each block, ln_f), lm_head, ForCausalLMLoss."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
     wte, wpe = p["transformer.wte.weight"], p["transformer.wpe.weight"]
-    emb = net.module("transformer.wte", lambda: embedding(ag, m, s, wte, name="wte"), params=(wte,))
+    emb = net.module("transformer.wte", lambda: embedding(ag, m, s, wte, name="wte", cuda=net.device == "cuda"),
+                     params=(wte,))
     pos = position_ids(ag, s)
     pe = net.module("transformer.wpe", lambda: embedding(ag, m, s, wpe, rows=s.pos_batch * s.seq, name="wpe",
-                                                         indices=pos), params=(wpe,))
+                                                         indices=pos, cuda=net.device == "cuda"), params=(wpe,))
     hidden = G.add_broadcast(ag, emb, pe, "transformer.embeddings")
     packed_sequence_check(ag, s)
     mask = causal_mask(net)

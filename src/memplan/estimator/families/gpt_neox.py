@@ -129,7 +129,7 @@ def forward(net: Net) -> Output:
     emb_dropout, the rotary tables, each layer, final_layer_norm), lm_head, ForCausalLMLoss."""
     ag, m, s, p = net.ag, net.m, net.s, net.p
     w = p["gpt_neox.embed_in.weight"]
-    emb = net.module("gpt_neox.embed_in", lambda: embedding(ag, m, s, w), params=(w,))
+    emb = net.module("gpt_neox.embed_in", lambda: embedding(ag, m, s, w, cuda=net.device == "cuda"), params=(w,))
     pos_ids = positions(ag, s)
     mask = causal_mask(net)
     hidden = dropout(net, emb, m.embedding_dropout, "gpt_neox.emb_dropout")

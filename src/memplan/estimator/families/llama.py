@@ -197,7 +197,7 @@ def forward(net: Net, mlp_fn=mlp, attn_fn=attention, block=None, norm_fn=_rmsnor
     block = block or layer
     ag, m, s, p = net.ag, net.m, net.s, net.p
     w = p["model.embed_tokens.weight"]
-    emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, w), params=(w,))
+    emb = net.module("model.embed_tokens", lambda: embedding(ag, m, s, w, cuda=net.device == "cuda"), params=(w,))
     pos_ids = positions(ag, s)
     mask = causal_mask(net)
     # Olmo2RotaryEmbedding returns fp32 tables; Phi-3's cover head_dim · partial_rotary_factor (rotary_pct)
