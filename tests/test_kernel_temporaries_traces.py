@@ -18,7 +18,8 @@ from memplan.allocator.trace import ALLOC
 from memplan.estimator.program import build_ledger
 
 ROOT = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy"
-TRACES = {p.name.removesuffix(".json.gz"): p for d in ("traces", "traces-lone", "traces-lone-h100", "traces-19")
+TRACES = {p.name.removesuffix(".json.gz"): p
+          for d in ("traces", "traces-lone", "traces-lone-h100", "traces-19", "traces-20")
           for p in (ROOT / d).glob("*.json.gz")}
 KINDS = {"cuDNN workspace": lambda name, size: name.endswith("cudnn.workspace.tmp") and size > 256,
          "reduction staging": lambda name, size: name.endswith("reduce_staging.tmp"),
