@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from memplan.allocator import simulate
 from memplan.estimator.gpu_behind import gpu_behind
-from memplan.estimator.gpu_time import LAUNCH_QUEUE, GpuRates, phase_seconds, timed
+from memplan.estimator.gpu_time import LAUNCH_QUEUE, GpuRates, launch_lags, phase_seconds, timed
 from memplan.estimator.program import build_ledger
 from memplan.estimator.timing import MEMORY, attention_flops, gemm_flops
 from memplan.ledger import SYNC, Ledger
@@ -58,6 +58,17 @@ def test_a_gpu_behind_keeps_every_gathered_weight_until_it_catches_up():
     # the phase lasted until the GPU finished its 30 s of kernels, the first launched at t = 0.5 (the host needs
     # 1.5 s in all); each kernel also takes the launch floor
     assert dict(phase_seconds(L, SLOW))["a"] == pytest.approx(30.5, abs=1e-3)
+
+
+def test_launch_lags_are_each_kernels_wait_on_the_gpu_after_its_launch():
+    # kernels of 0.7 s launched at t = 0.5, 1.0, 1.5 (each also takes the 6.8 µs launch floor): the first starts
+    # at once, the second at 1.2 (0.2 s after its launch), the third at 1.9 (0.4 s); phase b's one kernel-less
+    # alloc launches nothing
+    lags = launch_lags(_layers(kernel_s=0.7), SLOW)
+    assert [label for label, _ in lags] == ["a", "a", "a"]
+    assert [lag for _, lag in lags] == pytest.approx([0.0, 0.2, 0.4], abs=1e-4)
+    # a GPU that keeps up never makes a kernel wait
+    assert all(lag == 0.0 for _, lag in launch_lags(_layers(kernel_s=0.1), SLOW))
 
 
 def test_a_free_completes_at_the_first_malloc_after_the_gpu_passes_it():

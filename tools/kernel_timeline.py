@@ -83,18 +83,43 @@ def run(rows: str, name: str, raw: str | None) -> dict:
             json.dump(trace, fh)
     labels = [p["name"] for p in measured["phases"] if p["name"] != "init"]
     return {"name": name, "status": measured["status"], "phases_measured": measured["phases"],
+            "unmatched_kernels": unmatched(trace["traceEvents"]),
             "summary": summarize(trace["traceEvents"], labels)}
 
 
+def kernel_kind(e: dict) -> str:
+    """The timing model's kernel kind a profiled kernel belongs to, from its name (memplan.estimator.timing)."""
+    name = e["name"].lower()
+    if e.get("cat") == "gpu_memcpy":
+        return "host_link" if "dtoh" in name or "htod" in name else "copy"
+    if e.get("cat") == "gpu_memset":
+        return "memory"
+    if any(k in name for k in ("flash", "fmha", "cudnn", "attention", "mem_eff")):
+        return "attention"
+    if any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_", "sm80_")):
+        return "gemm"
+    return "memory"
+
+
+def unmatched(events: list[dict]) -> int:
+    """GPU activities whose launching call is not in the trace (summarize leaves them out of every phase)."""
+    calls = {e["args"]["correlation"] for e in events
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    return sum(1 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and e.get("args", {}).get("correlation") not in calls)
+
+
 def summarize(events: list[dict], labels: list[str]) -> list[dict]:
+    # cuBLASLt and cuDNN launch through the driver API (cuLaunchKernelEx): its calls are "cuda_driver" events
     runtime = {e["args"]["correlation"]: e for e in events
-               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     marks = [runtime[e["args"]["correlation"]]["ts"] for e in gpu
              if e.get("cat") == "kernel" and MARKER in e["name"] and e["args"].get("correlation") in runtime]
     marks.sort()
     bounds = list(zip(marks, marks[1:] + [float("inf")]))
     out = []
+    api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     blocking = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"].startswith(BLOCKING)
                 and not e["name"].startswith("cudaMemcpyAsync")]
     for label, (t0, t1) in zip(labels, bounds):
@@ -102,16 +127,25 @@ def summarize(events: list[dict], labels: list[str]) -> list[dict]:
         delays = [(runtime[e["args"]["correlation"]]["ts"], e["ts"] - runtime[e["args"]["correlation"]]["ts"])
                   for e in mine]
         busy: dict[str, float] = {}
+        by_kind: dict[str, float] = {}
         count: dict[str, int] = {}
         names: dict[str, list] = {}
         for e in mine:
             s = str(e["args"].get("stream"))
             busy[s] = busy.get(s, 0.0) + e["dur"]
             count[s] = count.get(s, 0) + 1
+            kind = kernel_kind(e)
+            by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
             n = names.setdefault(e["name"][:80], [0, 0.0])
             n[0] += 1
             n[1] += e["dur"]
         block = [e for e in blocking if t0 <= e["ts"] < t1]
+        calls: dict[str, list] = {}
+        for e in api:
+            if t0 <= e["ts"] < t1:
+                c = calls.setdefault(e["name"], [0, 0.0])
+                c[0] += 1
+                c[1] += e["dur"]
         d = [x for _, x in delays]
         points = [delays[int(i * (len(delays) - 1) / 9)] for i in range(10)] if delays else []
         out.append({
@@ -127,7 +161,9 @@ def summarize(events: list[dict], labels: list[str]) -> list[dict]:
             },
             "busy_ms": {s: round(v / 1e3, 2) for s, v in busy.items()},
             "kernels": count,
+            "busy_by_kind_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_kind.items())},
             "host_blocked_ms": round(sum(e["dur"] for e in block) / 1e3, 2),
+            "api_calls": {k: [v[0], round(v[1] / 1e3, 2)] for k, v in sorted(calls.items(), key=lambda x: -x[1][1])[:10]},
             "host_blocked_longest": sorted(([e["name"], round(e["dur"] / 1e3, 2), round((e["ts"] - t0) / 1e3, 1)]
                                             for e in block), key=lambda x: -x[1])[:8],
             "top": sorted(([k, v[0], round(v[1] / 1e3, 2)] for k, v in names.items()), key=lambda x: -x[2])[:12],

@@ -121,7 +121,15 @@ def phase_seconds(L: Ledger, rates: GpuRates) -> list[tuple[str, float]]:
     return [(label, t1 - t0) for (label, t0), (_, t1) in zip(phases, phases[1:] + [("end", at[-1])])]
 
 
-def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float]]:
+def launch_lags(L: Ledger, rates: GpuRates) -> list[tuple[str, float]]:
+    """(phase label, seconds) for every compute-stream kernel the replay launches: how long it waits on the GPU
+    after the host queues it, the quantity tools/kernel_timeline.py measures as ``launch_delay_ms``."""
+    lags: list[tuple[int, float]] = []
+    _, marks, _ = _walk(L, rates, lags)
+    return [(marks[i - 1].label if i else "", lag) for i, lag in lags]
+
+
+def _walk(L: Ledger, rates: GpuRates, lags: list | None = None) -> tuple[list[int], list[Mark], list[float]]:
     """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
     reached). Each stream is a clock: the compute stream (0) runs its kernels in order; a kernel on another stream
     (the reduce stream 1, the all-gather stream 2) starts once that stream is free, the host has launched it and the
@@ -175,6 +183,8 @@ def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float
                         if len(queue) >= LAUNCH_QUEUE:
                             cpu = queue.popleft()[1]
                         start = max(clock[0], cpu)
+                        if lags is not None:
+                            lags.append((len(new_marks), start - cpu))
                         clock[0] = start + dur
                         queue.append((start, clock[0]))
                     finish[k] = clock[0]
@@ -207,4 +217,4 @@ def _walk(L: Ledger, rates: GpuRates) -> tuple[list[int], list[Mark], list[float
     return out, new_marks, reached
 
 
-__all__ = ["GpuRates", "LAUNCH_QUEUE", "phase_seconds", "timed"]
+__all__ = ["GpuRates", "LAUNCH_QUEUE", "launch_lags", "phase_seconds", "timed"]
