@@ -54,15 +54,15 @@ MIN_POINTS = {"tuned-ledger": 40, "tuned-phases": 4, "check": 20}
 #: (part, bar) → why the bar does not hold on what is committed. Strict: a bar that starts to hold fails here
 #: until its entry goes. Each names the cause found, not a number (the table prints the numbers).
 _RESERVED_LEDGER = ("under: Phi-3 ZeRO-3 at one rank with parameter offload (its non-blocking gathers run further "
-                    "ahead than the timing replay lets them); over: shared-GPU ZeRO-3 rows, judged only above, where "
-                    "the replay times the job as if alone (a Ulysses sp 8 row the most) (issue 12)")
+                    "ahead than the timing replay lets them); over: shared-GPU rows, judged only above, where the "
+                    "replay times the job as if alone (issue 12)")
 _PHASES = ("jobs outside the ledger (tp; untested there: the MoE auxiliary loss, Ulysses on GPT-2 / NeoX or under the "
            "Trainer): the phase lists do not simulate the caching allocator, so their reserved figure is a rule of thumb")
-_CHECK = ("the held-out split is judged, never studied: under, ZeRO-3 rows run alone whose GPU the replay puts "
-          "ahead of the host (offloaded 176B- and 70B-width jobs; a 405B-width job whose peak is step 0's backward, "
-          "slower on the host than the steady steps); over, a ZeRO-0 pipeline row, shared-GPU rows and a Ulysses sp 8 ZeRO-3 row "
-          "with optimizer offload run alone whose host ran each phase about twice as long as the timing replay "
-          "has it, so the GPU was never behind (seed 12's s12-005) (issue 12)")
+_CHECK = ("the held-out split is judged, never studied: under, ZeRO-3 rows run alone whose frees complete later "
+          "than the timing replay has them though its lag matches the measured one in median and maximum "
+          "(offloaded 176B- and 70B-width jobs, a 405B-width one, a Ulysses sp 8 row at 32K); over, a ZeRO-0 "
+          "pipeline row and shared-GPU rows, judged only above, where the replay times the job as if alone "
+          "(issue 12; benchmarks/timing/README.md, session 21)")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("tuned-ledger", "reserved worst"): _RESERVED_LEDGER,
     ("tuned-ledger", "reserved under"): _RESERVED_LEDGER,

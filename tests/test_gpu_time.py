@@ -13,7 +13,7 @@ from memplan.allocator import simulate
 from memplan.estimator.gpu_behind import gpu_behind
 from memplan.estimator.gpu_time import LAUNCH_QUEUE, GpuRates, launch_lags, phase_seconds, timed
 from memplan.estimator.program import build_ledger
-from memplan.estimator.timing import MEMORY, attention_flops, gemm_flops
+from memplan.estimator.timing import FAKE_COLLECTIVE, FAKE_GATHER_COPY_S, MEMORY, attention_flops, gemm_flops
 from memplan.ledger import SYNC, Ledger
 from memplan.presets import load_model
 from memplan.specs import Job
@@ -69,6 +69,48 @@ def test_launch_lags_are_each_kernels_wait_on_the_gpu_after_its_launch():
     assert [lag for _, lag in lags] == pytest.approx([0.0, 0.2, 0.4], abs=1e-4)
     # a GPU that keeps up never makes a kernel wait
     assert all(lag == 0.0 for _, lag in launch_lags(_layers(kernel_s=0.1), SLOW))
+
+
+def _layers_emulated(kernel_s: float, fake_s: float) -> Ledger:
+    """_layers with ``fake_s`` of the fake process group's copies on the host after each layer's kernel (the next
+    layer's prefetched all-gather, as an emulated verify run makes it)."""
+    L = Ledger()
+    L.mark("a")
+    for i in range(3):
+        L.work(0.5)
+        w = L.alloc(f"layer{i}.weight (gathered)", 100 * MiB, "params_gathered", SIDE)
+        L.work(0.0, 0.0, round(10 * kernel_s), MEMORY)
+        L.record_stream(w, 0)
+        L.free(w)
+        L.work(fake_s, 0.0, 0, FAKE_COLLECTIVE, SIDE)
+    L.mark("b")
+    L.free(L.alloc("activation", 4 * MiB, "activations"))
+    return L
+
+
+def test_the_fake_groups_copies_cost_the_host_only_in_an_emulated_run():
+    # a real job: the copies do not exist, the 0.7 s kernels fall behind as in _layers
+    L = _layers_emulated(kernel_s=0.7, fake_s=1.0)
+    assert timed(L, SLOW).events == [0, 1, ~0, 2, ~1, ~2, 3, ~3]
+    # emulated: the host gathers at 0.5, 2.0 and 3.5, and each 0.7 s kernel (launched at its gather) has ended by
+    # the next one: every free completes before the next malloc; the phase ends with the host at 4.5
+    assert timed(L, SLOW, emulated=True).events == L.events
+    assert dict(phase_seconds(L, SLOW, emulated=True))["a"] == pytest.approx(4.5, abs=1e-3)
+
+
+def test_an_emulated_zero3_gather_costs_the_host_a_copy_per_rank():
+    # tiny ZeRO-3 jobs at world 8 and 64: the same gathers, each all_gather_into_tensor N copies in emulation
+    from memplan.gpus import resolve_gpu
+
+    rates = GpuRates.of(resolve_gpu("h200"))
+    for world in (8, 64):
+        job = _zero3(seq_len=512)
+        L = build_ledger(job.model_copy(update={"layout": job.layout.model_copy(update={"world": world})}), steps=1)
+        fake = [k for k, kind in enumerate(L.work_kernel) if kind == FAKE_COLLECTIVE]
+        assert len(fake) > 10 and all(L.work_cpu_s[k] == pytest.approx(FAKE_GATHER_COPY_S * world) for k in fake)
+        real, emulated = (sum(t for _, t in phase_seconds(L, rates, e)) for e in (False, True))
+        # the host is the bottleneck of a 1B model's 512 tokens: the copies' seconds add to the phases
+        assert emulated - real >= 0.9 * FAKE_GATHER_COPY_S * world * len(fake)
 
 
 def test_a_free_completes_at_the_first_malloc_after_the_gpu_passes_it():
@@ -172,9 +214,13 @@ def test_the_replay_lies_between_a_gpu_that_keeps_up_and_one_a_phase_behind(scri
     # the host makes after the free, as the plain ledger does for allocations
     allocs = [e for e in L.events if e >= 0]
     assert [e for e in fast.events if e >= 0] == allocs
-    # one infinitely slow completes nothing before a synchronization: estimator.gpu_behind's bound
+    # one infinitely slow completes nothing before a synchronization: estimator.gpu_behind's bound. A host wait
+    # on a compute-stream event (``wait``) also completes what was queued before it, which gpu_behind, a bound,
+    # does not count (hypothesis found: gather, free after a kernel, wait on a later record, gather)
     behind = gpu_behind(L)
-    assert slow.events == behind.events and [m.at for m in slow.marks] == [m.at for m in behind.marks]
+    if not any(kind == "wait" for kind, _, _ in script):
+        assert slow.events == behind.events and [m.at for m in slow.marks] == [m.at for m in behind.marks]
+    assert simulate(slow).peak_reserved_bytes <= simulate(behind).peak_reserved_bytes
 
 
 def _zero3(**training) -> Job:

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
                        "keep": round((keep - measured) / measured * 100, 2)}
                 for f in factors:
                     L.work_cpu_s[:] = [c * f for c in host]
-                    late = timed(L, rates)
+                    late = timed(L, rates, row.get("mode", "emulated") == "emulated")
                     got = max(keep, _training_reserved(simulate(late, config)))
                     rec[f"x{f}"] = round((got - measured) / measured * 100, 2)
                 L.work_cpu_s[:] = host

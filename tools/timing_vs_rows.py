@@ -53,8 +53,9 @@ def main(argv: list[str]) -> int:
                       + ("" if keep is None else " (no deferred frees)"))
                 if show_phases and not row.get("layers"):
                     L = build_ledger(pjob, steps=max(LEDGER_STEPS, row.get("steps", 3)), skipped=skipped_steps(row))
-                    pred = dict(phase_seconds(L, GpuRates.of(gpu)))
-                    lag_of = _lags(L, gpu, lag_dir, row["name"]) if lag_dir else {}
+                    emulated = row.get("mode", "emulated") == "emulated"
+                    pred = dict(phase_seconds(L, GpuRates.of(gpu), emulated))
+                    lag_of = _lags(L, gpu, lag_dir, row["name"], emulated) if lag_dir else {}
                     for ph in row.get("phases") or ():
                         t = pred.get(ph["name"])
                         if t is None or not ph.get("wall_s") or ph["name"] == "init" or ph["name"].endswith("step"):
@@ -77,10 +78,10 @@ def _quantiles_ms(values: list[float]) -> str:
     return f"{statistics.median(v):6.2f} {v[int(0.9 * (len(v) - 1))]:6.2f} {v[-1]:6.2f}" if v else "     -"
 
 
-def _lags(L, gpu, lag_dir: Path, name: str) -> dict[str, str]:
+def _lags(L, gpu, lag_dir: Path, name: str, emulated: bool) -> dict[str, str]:
     """Per phase: '  lag ms (median p90 max) replay … measured …'."""
     by: dict[str, list[float]] = {}
-    for label, lag in launch_lags(L, GpuRates.of(gpu)):
+    for label, lag in launch_lags(L, GpuRates.of(gpu), emulated):
         by.setdefault(label, []).append(lag * 1e3)
     measured = {}
     f = lag_dir / f"{name}.json"

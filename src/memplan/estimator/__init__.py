@@ -122,10 +122,12 @@ def _unmodelled_fp32_accumulation(job: Job) -> bool:
 LEDGER_STEPS = 3
 
 
-def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int | None = None, gpu=None):
+def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int | None = None, gpu=None,
+                   emulated: bool = False):
     """The job's ledger replayed and summarized (estimator.summary.LedgerSummary): built with its gradient
     accumulation folded where that is exact (estimator/fold.py), whole otherwise; timed on ``gpu`` (a
-    memplan.gpus.GpuSpec, the reference GPU when None: estimator.gpu_time)."""
+    memplan.gpus.GpuSpec, the reference GPU when None: estimator.gpu_time), as rank 0 emulated over torch's fake
+    process group when ``emulated`` (memplan.verify's default: its collectives' copies cost the host)."""
     from .fold import folded
     from .program import build_ledger
     from .summary import allocator_config, summarize
@@ -136,11 +138,13 @@ def ledger_summary(job: Job, skipped=(), timeline: bool = True, card_bytes: int 
         from .pipeline import PIPELINE_STEPS, build_pipeline_ledger
 
         return max((summarize(job, build_pipeline_ledger(job, k, PIPELINE_STEPS, skipped), card_bytes, timeline,
-                              gpu=gpu) for k in (0, job.layout.pp - 1)), key=lambda x: x.peak_allocated_bytes)
+                              gpu=gpu, emulated=emulated) for k in (0, job.layout.pp - 1)),
+                   key=lambda x: x.peak_allocated_bytes)
     short = folded(job, lambda j, n, sk: build_ledger(j, steps=n, skipped=sk), steps, tuple(skipped), config)
     if short is None:
-        return summarize(job, build_ledger(job, steps=steps, skipped=skipped), card_bytes, timeline, gpu=gpu)
-    return summarize(job, short[0], card_bytes, timeline, sim=short[1], gpu=gpu)
+        return summarize(job, build_ledger(job, steps=steps, skipped=skipped), card_bytes, timeline, gpu=gpu,
+                         emulated=emulated)
+    return summarize(job, short[0], card_bytes, timeline, sim=short[1], gpu=gpu, emulated=emulated)
 
 
 def ledger_trace(job: Job) -> dict | None:
@@ -178,8 +182,8 @@ def ledger_trace(job: Job) -> dict | None:
     return trace
 
 
-def _ledger_quick(job: Job, skipped, gpu=None) -> QuickPeak:
-    s = ledger_summary(job, skipped, timeline=False, gpu=gpu)
+def _ledger_quick(job: Job, skipped, gpu=None, emulated: bool = False) -> QuickPeak:
+    s = ledger_summary(job, skipped, timeline=False, gpu=gpu, emulated=emulated)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return QuickPeak(s.peak_allocated_bytes, s.peak_reserved_bytes, s.peak_reserved_bytes + non_torch_bytes(job),
@@ -189,13 +193,14 @@ def _ledger_quick(job: Job, skipped, gpu=None) -> QuickPeak:
 def quick_peak(job: Job, rank0: bool = False, stepped: bool = True, skipped=None, gpu=None) -> QuickPeak:
     """Peak allocated, reserved, device total, host and NVMe per node, and the peak phase.
 
-    ``rank0``: rank 0's figures instead of the most loaded rank's (what an emulated verify measures);
+    ``rank0``: rank 0's figures instead of the most loaded rank's, as an emulated verify measures them (the
+    ledger is rank 0's; its replay then also counts the fake process group's copies);
     ``stepped=False``: before the first successful optimizer step (see build_phases); ``skipped``: the indices
     of the measured steps the fp16 loss scaler skipped (the ledger models them); ``gpu``: the GPU it runs on (a
     memplan.gpus.GpuSpec; None: the reference GPU), which sets how far it runs behind the host
     (estimator.gpu_time)."""
     if ledger_supported(job):
-        return _ledger_quick(job, (() if stepped else range(3)) if skipped is None else skipped, gpu)
+        return _ledger_quick(job, (() if stepped else range(3)) if skipped is None else skipped, gpu, rank0)
     phases, st = phases_and_states(job, rank0, stepped)
     # the host and NVMe figures are the most loaded rank's, as in the ledger's path
     return _summary(job, phases, model_states(job, rank_share(job)) if rank0 else st)
@@ -273,8 +278,8 @@ def measurement_notes(job: Job) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _ledger_estimate(job: Job, gpu=None) -> Estimate:
-    s = ledger_summary(job, gpu=gpu)
+def _ledger_estimate(job: Job, gpu=None, emulated: bool = False) -> Estimate:
+    s = ledger_summary(job, gpu=gpu, emulated=emulated)
     st = model_states(job, rank_share(job))
     rpn = _ranks_per_node(job)
     return Estimate(
@@ -286,11 +291,12 @@ def _ledger_estimate(job: Job, gpu=None) -> Estimate:
     )
 
 
-def estimate_job(job: Job, gpu=None) -> Estimate:
+def estimate_job(job: Job, gpu=None, emulated: bool = False) -> Estimate:
     """The full typed estimate: the breakdown at the peak and the timeline of phases; ``gpu`` (a
-    memplan.gpus.GpuSpec, the reference GPU when None) is the GPU the job runs on (estimator.gpu_time)."""
+    memplan.gpus.GpuSpec, the reference GPU when None) is the GPU the job runs on (estimator.gpu_time);
+    ``emulated``: rank 0 as memplan.verify emulates it on one GPU (the fake process group's copies timed)."""
     if ledger_supported(job):
-        return _ledger_estimate(job, gpu)
+        return _ledger_estimate(job, gpu, emulated)
     phases, st = phases_and_states(job)
     q = _summary(job, phases, st)
     timeline = tuple(

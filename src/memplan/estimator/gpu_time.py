@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..ledger import EMPTY_CACHE, NO_WAIT, STREAM_WAIT, SYNC, Ledger, Mark
-from .timing import ATTENTION_CUDNN, ATTENTION_EFFICIENT, ATTENTION_FLASH, GEMM, GEMM_FP32, HOST_LINK
+from .timing import ATTENTION_CUDNN, ATTENTION_EFFICIENT, ATTENTION_FLASH, FAKE_COLLECTIVE, GEMM, GEMM_FP32, HOST_LINK
 
 #: CUDA's launch queue: the 1022nd launch behind a busy kernel blocks (benchmarks/allocator/gpu/launch_queue.json)
 LAUNCH_QUEUE = 1021
@@ -95,6 +95,8 @@ class GpuRates:
         if kernel == HOST_LINK:
             return nbytes / self.host_link + KERNEL_FLOOR_S
         moving = nbytes / self.memory
+        if kernel == FAKE_COLLECTIVE:  # device-to-device copies
+            return max(moving, KERNEL_FLOOR_S)
         if kernel == GEMM:
             return max(flops / self.gemm + GEMM_FIXED_S, moving)
         if kernel == GEMM_FP32:
@@ -104,32 +106,36 @@ class GpuRates:
         return max(moving, KERNEL_FLOOR_S)
 
 
-def timed(L: Ledger, rates: GpuRates) -> Ledger | None:
+def timed(L: Ledger, rates: GpuRates, emulated: bool = False) -> Ledger | None:
     """``L`` with each deferred free moved to where the caching allocator completes it (the module docstring);
-    None when ``L`` frees nothing with record_stream (the plain ledger is then the allocator's view)."""
+    None when ``L`` frees nothing with record_stream (the plain ledger is then the allocator's view).
+    ``emulated``: the run is rank 0 of N emulated on one GPU over torch's fake process group (memplan.verify's
+    default), whose collectives' copies (timing.FAKE_COLLECTIVE records) cost the host and the GPU; a real job's
+    replay leaves them out."""
     if not L.stream_used:
         return None
-    out, marks, _ = _walk(L, rates)
+    out, marks, _ = _walk(L, rates, emulated=emulated)
     return L.reordered(out, marks)
 
 
-def phase_seconds(L: Ledger, rates: GpuRates) -> list[tuple[str, float]]:
+def phase_seconds(L: Ledger, rates: GpuRates, emulated: bool = False) -> list[tuple[str, float]]:
     """(label, seconds) of each phase mark's span as the replay times it: from the mark's synchronization to the
     next one's (what memplan.verify's phases measure as wall_s)."""
-    _, marks, at = _walk(L, rates)
+    _, marks, at = _walk(L, rates, emulated=emulated)
     phases = [(m.label, t) for m, t in zip(marks, at) if m.kind != EMPTY_CACHE]
     return [(label, t1 - t0) for (label, t0), (_, t1) in zip(phases, phases[1:] + [("end", at[-1])])]
 
 
-def launch_lags(L: Ledger, rates: GpuRates) -> list[tuple[str, float]]:
+def launch_lags(L: Ledger, rates: GpuRates, emulated: bool = False) -> list[tuple[str, float]]:
     """(phase label, seconds) for every compute-stream kernel the replay launches: how long it waits on the GPU
     after the host queues it, the quantity tools/kernel_timeline.py measures as ``launch_delay_ms``."""
     lags: list[tuple[int, float]] = []
-    _, marks, _ = _walk(L, rates, lags)
+    _, marks, _ = _walk(L, rates, lags, emulated)
     return [(marks[i - 1].label if i else "", lag) for i, lag in lags]
 
 
-def _walk(L: Ledger, rates: GpuRates, lags: list | None = None) -> tuple[list[int], list[Mark], list[float]]:
+def _walk(L: Ledger, rates: GpuRates, lags: list | None = None, emulated: bool = False
+          ) -> tuple[list[int], list[Mark], list[float]]:
     """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
     reached). Each stream is a clock: the compute stream (0) runs its kernels in order; a kernel on another stream
     (the reduce stream 1, the all-gather stream 2) starts once that stream is free, the host has launched it and the
@@ -172,8 +178,12 @@ def _walk(L: Ledger, rates: GpuRates, lags: list | None = None) -> tuple[list[in
                 reached.append(cpu)
                 m += 1
                 continue
-            cpu += wcpu[k]
             w, st = wwait[k], wstream[k]
+            if wkernel[k] == FAKE_COLLECTIVE and not emulated:  # a real job makes no such copies
+                finish[k] = clock.get(st, 0.0)
+                k += 1
+                continue
+            cpu += wcpu[k]
             if w == NO_WAIT:
                 dur = seconds(wkernel[k], wflops[k], wbytes[k])
                 while queue and queue[0][1] <= cpu:

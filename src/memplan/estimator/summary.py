@@ -69,13 +69,13 @@ def _counted(L: Ledger, live: list[int], counted_bytes: int) -> tuple[Part, ...]
 
 
 def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool = True,
-              sim=None, gpu=None) -> LedgerSummary:
+              sim=None, gpu=None, emulated: bool = False) -> LedgerSummary:
     """Replay ``L`` and read its peaks (see the module docstring). Peak allocated is the simulator's
     torch.cuda.max_memory_allocated (a large-pool block left unsplit counts whole, as in torch's counter); the
     breakdown is the live set where the ledger's own count peaks in that phase. Peak reserved is the replay of
     the ledger as the GPU's progress completes its deferred frees (estimator.gpu_time, on ``gpu``, a
-    memplan.gpus.GpuSpec: the reference GPU when None). ``sim``: ``L`` already replayed (with the same
-    settings)."""
+    memplan.gpus.GpuSpec: the reference GPU when None; ``emulated``: rank 0 over torch's fake process group, whose
+    copies cost the host). ``sim``: ``L`` already replayed (with the same settings)."""
     from ..allocator import simulate
 
     config = allocator_config(job, card_bytes)
@@ -88,7 +88,7 @@ def summarize(job: Job, L: Ledger, card_bytes: int | None = None, timeline: bool
                    for p in train) if timeline else ()
     keep_up = max(p.peak_reserved_bytes for p in train)
     reserved, after = keep_up, sim
-    late = timed_replay(L, config, gpu)
+    late = timed_replay(L, config, gpu, emulated)
     if late is not None:
         reserved = max(keep_up, _training_reserved(late))
         after = late
@@ -103,14 +103,14 @@ def _training_reserved(sim) -> int:
     return max(p.peak_reserved_bytes for p in train)
 
 
-def timed_replay(L: Ledger, config, gpu=None):
+def timed_replay(L: Ledger, config, gpu=None, emulated: bool = False):
     """The replay of ``L`` with its deferred frees where ``gpu``'s progress completes them (estimator.gpu_time);
     None where nothing is freed with record_stream."""
     from ..allocator import simulate
     from ..gpus import reference_gpu
     from .gpu_time import GpuRates, timed
 
-    late = timed(L, GpuRates.of(gpu or reference_gpu()))
+    late = timed(L, GpuRates.of(gpu or reference_gpu()), emulated)
     return None if late is None else simulate(late, config)
 
 

@@ -12,7 +12,10 @@ the softmax, the loss); GEMM, operations over the tensor cores' rate (cuBLAS mat
 over the CUDA cores' rate (fp32 matrix products: torch.backends.cuda.matmul.allow_tf32 is False by default, and
 neither transformers nor DeepSpeed sets it); ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT, the fused
 attention kernels sdpa dispatches to (cuDNN's, FlashAttention-2, the memory-efficient one), each over its own share
-of the tensor cores' rate; HOST_LINK, a copy between pinned host memory and the GPU over the host link.
+of the tensor cores' rate; HOST_LINK, a copy between pinned host memory and the GPU over the host link;
+FAKE_COLLECTIVE, the copies torch's fake process group makes in place of a collective when memplan.verify emulates
+N ranks on one GPU (a real job does not make them: the replay counts their host seconds and bytes only when told
+the run is emulated, gpu_time.timed's ``emulated``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from math import sqrt
 
 MEMORY, GEMM, GEMM_FP32, ATTENTION_CUDNN, ATTENTION_FLASH, ATTENTION_EFFICIENT, HOST_LINK = 0, 1, 2, 3, 4, 5, 6
+FAKE_COLLECTIVE = 7
 
 # -- the host's time (seconds; benchmarks/timing/README.md says how each was measured) -------------------------
 #: one eager aten op from Python with autograd recording its node, inside a transformers module: a tiny Llama's
@@ -48,6 +52,13 @@ CPU_Z3_GATHER_S = 1.0e-3
 #: the IPG bucket) and one bucket's __reduce_and_partition_ipg_grads (not measured apart: the tiny Llamas'
 #: backward leaves them tens of microseconds)
 CPU_Z3_GRAD_S = 60e-6
+#: the fake process group's all-gather (FakeProcessGroup.hpp ``_allgather_base``: ``outputBuffer.chunk(size_)``,
+#: then a ``copy_`` of the input into each chunk; what all_gather_into_tensor runs under an emulated verify):
+#: the host's seconds per chunk, measured on the H100 machine (benchmarks/timing/fake-pg-h100.jsonl,
+#: tools/fake_pg_probe.py: 410 µs a call at world 64, 57 µs at world 8, whatever the chunk's size from 64 KiB
+#: to 8 MiB; 6.3-7.2 µs a chunk from world 8 up). Its reduce-scatter and all-to-all copy once (4.7 and 5.3 µs a
+#: call), about what a real collective's launch costs the host, so they are not counted apart.
+FAKE_GATHER_COPY_S = 6.4e-6
 CPU_Z3_REDUCE_S = 300e-6
 
 #: what a fused attention kernel's backward takes against its forward, by kernel (benchmarks/timing/kernels-h100.json,

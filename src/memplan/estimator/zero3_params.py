@@ -35,7 +35,7 @@ from collections import deque
 from itertools import groupby
 
 from .places import Places
-from .timing import CPU_Z3_GATHER_S, MEMORY
+from .timing import CPU_Z3_GATHER_S, FAKE_COLLECTIVE, FAKE_GATHER_COPY_S, MEMORY
 from .zero3_hooks import Zero3Hooks
 
 #: the coordinator's __allgather_stream: a new CUDA stream, or with overlap_comm off the default stream
@@ -168,7 +168,9 @@ class Zero3Params(Zero3Hooks):
         if len(todo) == 1:  # _all_gather_sequential: the buffer is the parameter, in flight until waited
             p = todo[0]
             self.avail[p] = L.alloc(f"{p} (gathered)", w[p] * self.part[p] * self.n, "params_gathered", s)
-            self._free_all(self._h2d(todo, s))
+            copies = self._h2d(todo, s)
+            self._fake_gather(w[p] * self.part[p])
+            self._free_all(copies)
             self.inflight[p] = [[], {p}, [], False]
             return
         # _all_gather_coalesced: one _all_gather_dtype flat buffer per communication dtype, in sort_dtypes order
@@ -180,10 +182,16 @@ class Zero3Params(Zero3Hooks):
             flats.append(L.alloc("zero3.allgather_flat", self.n * local, "params_gathered", s))
             copies = self._h2d(group, s)  # the list comprehension's blocking copies come before the cat
             L.work(0.0, 0.0, 2 * local, MEMORY, s)  # torch.cat(copies or partitions, out=flat's own slice)
+            self._fake_gather(local)
             self._free_all(copies)  # the list dies after the cat
         handle = [flats, set(todo), [p for group in groups for p in group], False]
         for p in todo:
             self.inflight[p] = handle
+
+    def _fake_gather(self, part_bytes: int) -> None:
+        """all_gather_into_tensor of ``part_bytes`` a rank, as an emulated run's fake process group makes it: a
+        copy of the input into each of the N chunks (timing.FAKE_GATHER_COPY_S), on the all-gather stream."""
+        self.L.work(FAKE_GATHER_COPY_S * self.n, 0.0, 2 * self.n * part_bytes, FAKE_COLLECTIVE, self.ag_stream)
 
     def _wait(self, name: str, fetching: bool = False) -> None:
         """The coordinator pops ``name``'s handle and waits on it; ``fetching``: in _fetch_sub_module_impl, on the

@@ -22,12 +22,13 @@ def error_pct(predicted: int | None, measured: int | None) -> float | None:
     return round(100.0 * (predicted - measured) / measured, 3)
 
 
-def predict(job: Job) -> tuple[dict[str, Any] | None, str | None]:
-    """(memplan's estimate as a compact dict, why it is missing). Never raises."""
+def predict(job: Job, emulated: bool = False) -> tuple[dict[str, Any] | None, str | None]:
+    """(memplan's estimate as a compact dict, why it is missing); ``emulated``: of rank 0 emulated on one GPU,
+    as the row measured it. Never raises."""
     try:
         from ..api import estimate
 
-        est = estimate(job)
+        est = estimate(job, emulated=emulated)
     except (ImportError, NotImplementedError) as exc:
         return None, f"estimator unavailable: {type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001 - an estimator failure must not lose a measurement
@@ -82,7 +83,7 @@ def comparison(predicted: dict[str, Any], row: dict[str, Any]) -> list[dict[str,
 
 def predicted_and_comparison(job: Job, row: dict[str, Any]) -> dict[str, Any]:
     """The row's "predicted", "predicted_error" and "comparison" fields."""
-    predicted, why = predict(job)
+    predicted, why = predict(job, row.get("mode", "emulated") == "emulated")
     return {
         "predicted": predicted,
         "predicted_error": why,
