@@ -101,25 +101,31 @@ def kernel_kind(e: dict) -> str:
     return "memory"
 
 
+#: the trace's host-side API calls: cuBLASLt and cuDNN launch through the driver API (cuLaunchKernelEx, "cuda_driver")
+API = ("cuda_runtime", "cuda_driver")
+
+
+def launch_calls(events: list[dict]) -> dict[int, dict]:
+    """Correlation id → the runtime or driver call that launched a GPU activity."""
+    return {e["args"]["correlation"]: e for e in events if e.get("cat") in API and "correlation" in e.get("args", {})}
+
+
 def unmatched(events: list[dict]) -> int:
     """GPU activities whose launching call is not in the trace (summarize leaves them out of every phase)."""
-    calls = {e["args"]["correlation"] for e in events
-             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    calls = launch_calls(events)
     return sum(1 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
                and e.get("args", {}).get("correlation") not in calls)
 
 
 def summarize(events: list[dict], labels: list[str]) -> list[dict]:
-    # cuBLASLt and cuDNN launch through the driver API (cuLaunchKernelEx): its calls are "cuda_driver" events
-    runtime = {e["args"]["correlation"]: e for e in events
-               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    runtime = launch_calls(events)
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     marks = [runtime[e["args"]["correlation"]]["ts"] for e in gpu
              if e.get("cat") == "kernel" and MARKER in e["name"] and e["args"].get("correlation") in runtime]
     marks.sort()
     bounds = list(zip(marks, marks[1:] + [float("inf")]))
     out = []
-    api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    api = [e for e in events if e.get("cat") in API]
     blocking = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"].startswith(BLOCKING)
                 and not e["name"].startswith("cudaMemcpyAsync")]
     for label, (t0, t1) in zip(labels, bounds):
