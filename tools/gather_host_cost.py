@@ -21,6 +21,7 @@ from memplan.estimator import LEDGER_STEPS
 from memplan.estimator.program import build_ledger
 from memplan.estimator.gpu_time import GpuRates
 from memplan.gpus import gpu_of_device
+from memplan.estimator.timing import FAKE_COLLECTIVE
 from memplan.ledger import NO_WAIT
 orig = zp.Zero3Params._all_gather
 CALLS = []
@@ -35,9 +36,10 @@ def phase_host(L, label):
     marks = L.marks; mw = L.mark_work
     idx = [i for i,m in enumerate(marks) if m.label == label][0]
     a = mw[idx]; b = mw[idx+1] if idx+1 < len(marks) else len(L.work_at)
-    return a, b, sum(L.work_cpu_s[a:b])
+    # the fake process group's copies (FAKE_COLLECTIVE records) stay out: the ``copies`` column counts them apart
+    return a, b, sum(c for c, kind in zip(L.work_cpu_s[a:b], L.work_kernel[a:b]) if kind != FAKE_COLLECTIVE)
 def gpu_s(L, a, b, rates):
-    return sum(rates.seconds(L.work_kernel[k], L.work_flops[k], L.work_bytes[k]) for k in range(a,b) if L.work_wait[k]==NO_WAIT and L.work_stream[k]==0)
+    return sum(rates.seconds(L.work_kernel[k], L.work_flops[k], L.work_bytes[k]) for k in range(a,b) if L.work_wait[k] == NO_WAIT and L.work_stream[k] == 0 and L.work_kernel[k] != FAKE_COLLECTIVE)
 for path in sorted(Path('benchmarks/accuracy').glob('rows*.jsonl')):
     for row in iter_rows(path):
         job = job_of_row(row)
@@ -59,4 +61,4 @@ for path in sorted(Path('benchmarks/accuracy').glob('rows*.jsonl')):
         wall = ph[label]
         if params == 0: continue
         resid = (wall - h0) / params
-        print(json.dumps(dict(name=row["name"], gpu=(row.get("env") or {}).get("gpu"), world=job.layout.world, sp=job.layout.sp, params=params, calls=calls, copies=calls*job.layout.world, wall_ms=round(wall*1e3,1), host_wo_gather_ms=round(h0*1e3,1), gpu_ms=round(g*1e3,1), cpu_bound=g < 0.5*wall, resid_per_param_ms=round(resid*1e3,3))), flush=True)
+        print(json.dumps(dict(name=row["name"], gpu=(row.get("env") or {}).get("gpu"), world=job.layout.world, sp=job.layout.sp, params=params, calls=calls, copies=calls * job.layout.world if row.get("mode", "emulated") == "emulated" else 0, wall_ms=round(wall*1e3,1), host_wo_gather_ms=round(h0*1e3,1), gpu_ms=round(g*1e3,1), cpu_bound=g < 0.5*wall, resid_per_param_ms=round(resid*1e3,3))), flush=True)
