@@ -242,20 +242,24 @@ def test_a_zero3_ledger_times_its_forward_and_backward():
         assert 0 < h200[phase] <= a100[phase]
 
 
-def test_a_host_link_copy_waits_for_the_running_compute_kernel_like_a_kernel_copy():
-    # a 10 s compute kernel launched at t = 0; then a copy on the side stream, which the host waits for (a blocking
-    # .to(device)), then a free of a tensor the compute stream used: a kernel copy (MEMORY) and a host-link copy
-    # alike start once the running compute kernel ends (gpu_time._walk: lone2-s4-037's trace), so the host waits
-    # past t = 10 and w0's free completes before w1 is allocated
+def test_a_host_link_copy_runs_on_a_copy_engine_but_in_its_streams_order():
+    # a 10 s compute kernel launched at t = 0; then, on the side stream, a copy the host waits for (a blocking
+    # .to(device)), then a free of a tensor the compute stream used. A kernel copy (MEMORY) starts once the running
+    # compute kernel ends, so the host waits past t = 10 and w0's free completes before w1 is allocated. A host-link
+    # copy alone does not wait for the compute kernel (benchmarks/timing/h2d-copy-h100.jsonl: a copy engine's), so
+    # the host is back at t = 1 and w1 comes first; queued behind a kernel copy on its stream it waits for that one
     from memplan.estimator.timing import HOST_LINK
 
-    def run(kind):  # kind None: no copy, no host wait
+    def run(*kinds):  # no kinds: no copy, no host wait
         L = Ledger()
         L.mark("a")
         w = L.alloc("w0", 100 * MiB, "params_gathered", SIDE)
         L.work(0.0, 0.0, 100, MEMORY)  # 10 s on SLOW
-        if kind is not None:
-            L.wait(L.work(0.0, 0.0, 10, kind, SIDE))
+        copy = None
+        for kind in kinds:
+            copy = L.work(0.0, 0.0, 10, kind, SIDE)
+        if copy is not None:
+            L.wait(copy)
         L.record_stream(w, 0)
         L.free(w)
         L.free(L.alloc("w1", 100 * MiB, "params_gathered", SIDE))
@@ -263,6 +267,25 @@ def test_a_host_link_copy_waits_for_the_running_compute_kernel_like_a_kernel_cop
 
     rates = GpuRates(gemm=1.0, gemm_fp32=1.0, attention=(1.0, 1.0, 1.0), memory=10.0, host_link=10.0)
     assert timed(run(MEMORY), rates).events == [0, ~0, 1, ~1]
-    assert timed(run(HOST_LINK), rates).events == [0, ~0, 1, ~1]
+    assert timed(run(HOST_LINK), rates).events == [0, 1, ~1, ~0]
+    assert timed(run(MEMORY, HOST_LINK), rates).events == [0, ~0, 1, ~1]
     # without the host's wait the free still waits for the compute kernel: w1 comes first
-    assert timed(run(None), rates).events == [0, 1, ~1, ~0]
+    assert timed(run(), rates).events == [0, 1, ~1, ~0]
+
+
+def test_offloaded_grads_cross_the_host_link_on_the_reduce_stream():
+    # offload_optimizer: partition_grads copies each grad partition to its pinned host buffer and back
+    # (grad_buffer.copy_ / .to(device), non_blocking) and, at the boundary, its fp32 cast to the optimizer's host
+    # grad (_offload_grad_partition_at_boundary): 2 + 2 + 4 bytes an element of each rank's partition, on the
+    # reduce stream (stream 1); without offload none of it
+    from memplan.estimator.timing import HOST_LINK
+    from memplan.params import parameter_tensors
+
+    world = 8
+    numels = [t.numel for t in parameter_tensors(load_model("llama-3.2-1b"))]
+    part = sum(-(-n // world) for n in numels)  # each tensor's partition: ceil(numel / world) elements
+    for offload, expected in (("cpu", (2 + 2 + 4) * part), ("none", 0)):
+        L = build_ledger(_zero3(seq_len=512, zero={"stage": 3, "offload_optimizer": offload}), steps=1)
+        link = sum(L.work_bytes[k] for k, (kind, s) in enumerate(zip(L.work_kernel, L.work_stream))
+                   if kind == HOST_LINK and s == 1)
+        assert link == expected

@@ -21,9 +21,11 @@ launch queue holds 1021 kernels (benchmarks/allocator/gpu/launch_queue.json): th
 until the oldest has run. A deferred free completes at the compute stream's time when it was made; the returned
 ledger moves it to just before the first allocation the host makes at or after that time. Allocations keep their
 order; only peak reserved is read from it (allocated bytes drop at the free's request, where the plain ledger has
-it). The reduce stream is the compute stream's queue here (it waits for it before each grad it takes); the
-all-gather stream is a second queue whose kernels (copies out of the flat buffer, host-link copies) start once the
-compute kernel running at their launch ends, and the compute stream waits for it after each fetch.
+it). The reduce stream is the compute stream's queue here (it waits for it before each grad it takes), except
+for offloaded grads' host-link copies, queued on it behind the reduction; the all-gather stream is a second queue
+whose kernels (copies out of the flat buffer) start once the compute kernel running at their launch ends, and the
+compute stream waits for it after each fetch. A host-link copy on a side stream runs on a copy engine: it waits for
+its own stream's queue and the host's launch, not for a compute kernel (benchmarks/timing/h2d-copy-h100.jsonl).
 
 ``GpuRates`` turns operations and bytes into seconds for one GPU (memplan.gpus presets): the datasheet's rates
 times the shares training kernels reach, measured on an H100 (benchmarks/timing/README.md).
@@ -139,11 +141,14 @@ def _walk(L: Ledger, rates: GpuRates, lags: list | None = None, emulated: bool =
     """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
     reached). Each stream is a clock: the compute stream (0) runs its kernels in order; a kernel on another stream
     (the reduce stream 1, the all-gather stream 2) starts once that stream is free, the host has launched it and the
-    compute kernel running at its launch has ended (SIDE_AFTER_QUEUE), a host-link copy too: lone2-s4-037's H100
-    trace has blocking partition copies on the all-gather stream (27 MB, 8 MB) complete up to 10 ms after their
-    request, with the gemm using the previous weight, not after the 1 ms their bytes take (timed as a copy engine's
-    that waits for no kernel, 7 of 8 lone offloaded ZeRO-3 rows moved further off). A STREAM_WAIT record holds its
-    stream to another record's end; a deferred free completes at the clock of the stream that used the tensor."""
+    compute kernel running at its launch has ended (SIDE_AFTER_QUEUE). A host-link copy there starts once its stream
+    is free and the host has launched it: a copy engine's, which waits for no compute kernel
+    (benchmarks/timing/h2d-copy-h100.jsonl: 8 MiB to 256 MiB pinned copies on a side stream all ran during the
+    product running at their launch). lone2-s4-037's blocking partition copies, complete up to 10 ms after their
+    request with the running gemm, are queued behind the previous gather's kernels on the all-gather stream; the
+    stream's clock keeps that wait (session 17 timed every host-link copy as waiting for nothing, its stream's queue
+    included, and 7 of 8 lone offloaded ZeRO-3 rows moved further off). A STREAM_WAIT record holds its stream to
+    another record's end; a deferred free completes at the clock of the stream that used the tensor."""
     used = L.stream_used
     events, wat, wcpu, wflops, wbytes = L.events, L.work_at, L.work_cpu_s, L.work_flops, L.work_bytes
     wkernel, wstream, wwait = L.work_kernel, L.work_stream, L.work_wait
@@ -200,7 +205,7 @@ def _walk(L: Ledger, rates: GpuRates, lags: list | None = None, emulated: bool =
                     finish[k] = clock[0]
                 else:
                     if dur:
-                        running = (clock[0] if SIDE_AFTER_QUEUE
+                        running = (cpu if wkernel[k] == HOST_LINK else clock[0] if SIDE_AFTER_QUEUE
                                    else queue[0][1] if queue and queue[0][0] <= cpu else cpu)
                         clock[st] = max(clock.get(st, 0.0), cpu, running) + dur
                     finish[k] = clock.get(st, 0.0)

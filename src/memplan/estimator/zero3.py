@@ -24,11 +24,12 @@ grad until the bucket is reduced). __reduce_and_partition_ipg_grads: the bucket'
 __avg_scatter_grads → reduce_scatter_coalesced (comm/coalesced_collectives.py: the grads flattened with each padded to
 N — no copy when a single grad divides evenly; cast to the communication dtype first and to the accumulation dtype
 after when those differ), then partition_grads copies (micro-step 0) or adds each partition into
-grad_partitions_flat_buffer. Under offload_optimizer that buffer is on the host: each partition goes through a GPU
-copy (``grad_buffer.to(device)``, alive until the next parameter's), and at the accumulation boundary
-_offload_grad_partition_at_boundary takes its norm (_constant_buffered_norm2: fp64 pieces of 250M elements) and copies
-it cast to fp32 into the sub-group's host fp32 grad (NVMe: the fp32 casts of the whole bucket are kept for the
-swap-out). The epilogue reduces what is left; backward_epilogue releases leftover parameters.
+grad_partitions_flat_buffer. Under offload_optimizer that buffer is on the host: each partition is copied there and
+back over the host link on the reduce stream (``grad_buffer.copy_``, then ``grad_buffer.to(device)``, alive until
+the next parameter's; both non_blocking, queued behind the reduction, the bucket's event after them), and at the
+accumulation boundary _offload_grad_partition_at_boundary takes its norm (_constant_buffered_norm2: fp64 pieces of
+250M elements) and copies it cast to fp32 into the sub-group's host fp32 grad, non_blocking too (NVMe: the fp32 casts
+of the whole bucket are kept for the swap-out). The epilogue reduces what is left; backward_epilogue releases leftover parameters.
 
 Step: every gathered parameter released (_partition_all_parameters); fp16 checks the grad buffer for inf/nan
 (``torch.isinf(buffer).any()``: an abs in the buffer's dtype and a byte per element; ``isnan``: a byte per
@@ -47,7 +48,7 @@ from ..ledger import EMPTY_CACHE
 from .autograd import Autograd, Tensor
 from .optim import Optimizer
 from .places import Places
-from .timing import CPU_Z3_GRAD_S, CPU_Z3_REDUCE_S, MEMORY
+from .timing import CPU_Z3_GRAD_S, CPU_Z3_REDUCE_S, HOST_LINK, MEMORY
 from .zero3_params import Zero3Params
 
 #: the optimizer's reduce_and_partition_stream: a new CUDA stream, or with overlap_comm off the default stream
@@ -240,6 +241,11 @@ class Zero3(Zero3Params):
                 flat = None
         # the partitions view the grad itself: it lives until they die
         holds_grad = single and self.comm_b == self.b and self.comm_b == self.g
+        # the reduction's kernels (the flat's copy and the partitions' adds)
+        moved = sum(self.comm_b * self.part[k] * self.n + 2 * self.g * self.part[k] for k, _ in bucket)
+        if self.offload_opt:  # the partitions then go over the host link on the reduce stream, in its order
+            reduced = L.work(CPU_Z3_REDUCE_S, 0.0, moved, MEMORY)
+            L.stream_wait(reduced, s)
         self._partition_grads(ag, bucket, holds_grad)
         for c in reversed(parts):
             L.free(c)
@@ -247,9 +253,9 @@ class Zero3(Zero3Params):
             L.free(flat)
         if holds_grad and bucket[0][1] is not None:
             ag.release(bucket[0][1])
-        # the reduction's kernels (the flat's copy and the partitions' adds), then its event
-        moved = sum(self.comm_b * self.part[k] * self.n + 2 * self.g * self.part[k] for k, _ in bucket)
-        self.reduce_events.append(L.work(CPU_Z3_REDUCE_S, 0.0, moved, MEMORY))
+        # its event, recorded on the reduce stream after all of it
+        self.reduce_events.append(L.work(0.0, stream=s) if self.offload_opt
+                                  else L.work(CPU_Z3_REDUCE_S, 0.0, moved, MEMORY))
 
     def _partition_grads(self, ag: Autograd, bucket, holds_grad: bool) -> None:
         """partition_grads: each partition into grad_partitions_flat_buffer (via the GPU under offload)."""
@@ -262,6 +268,9 @@ class Zero3(Zero3Params):
             staging = None
             n = self.part[k]
             if self.offload_opt:
+                # micro-step 0: grad_buffer.copy_(grad_partition, non_blocking=True) into the pinned host buffer,
+                # then back; later micro-steps: to the GPU, add, and back (one copy each way either way)
+                L.work(0.0, 0.0, self.g * n, HOST_LINK, s)
                 staging = P.to_device(f"{k} (grad partition on the GPU)", self.g * n, "offload_staging", s,
                                       blocking=False)  # grad_buffer.to(device, non_blocking=True)
                 if boundary:  # _offload_grad_partition_at_boundary
@@ -271,6 +280,10 @@ class Zero3(Zero3Params):
                         L.free(L.alloc("zero3.offload_norm_fp64", FP64 * piece, "offload_staging", s))
                         left -= piece
                     cast = L.alloc("zero3.offload_grad_fp32", FP32 * n, "offload_staging", s)
+                    # the norm's fp64 upcast and its read, the fp32 cast (read and write)
+                    L.work(0.0, 0.0, (self.g + 2 * FP64 + self.g + FP32) * n, MEMORY, s)
+                    if not self.nvme_opt:  # fp32_grad_tensor.copy_(the cast, non_blocking=True) to the host
+                        L.work(0.0, 0.0, FP32 * n, HOST_LINK, s)
                     nvme_fp32.append(cast) if self.nvme_opt else L.free(cast)
             if kept is not None and not holds_grad:
                 if kept.storage is not None:  # partition_grads: param.grad.record_stream(the reduce stream)
