@@ -245,9 +245,9 @@ def test_param_wrapper_micro_step_matches_cpu_trace(tiny, checkpointing, targets
 def test_param_wrapper_trainable_parameters_are_peft_s():
     """The adapters peft adds through lora.ParamWrapper, by name and shape in named_parameters() order, and the
     dense MLPs / shared experts it leaves alone (its MoE conversion moves gate_proj / up_proj / down_proj to
-    target_parameters): lora.train_set against get_peft_model on the tiny MoE configs."""
+    target_parameters): train_set.train_set against get_peft_model on the tiny MoE configs."""
     peft = pytest.importorskip("peft")
-    from memplan.estimator.lora import train_set
+    from memplan.estimator.train_set import train_set
     from memplan.hfconfig import model_from_config
     from memplan.specs import LoraSpec
 

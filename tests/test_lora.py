@@ -17,7 +17,8 @@ from memplan.accuracy import compare_rows, iter_rows, job_of_row
 from memplan.estimator.activations import layer_terms
 from memplan.estimator.head import rope_terms
 from memplan.estimator.layout import rank_share
-from memplan.estimator.lora import apply, job_train_set, layer_place, train_set
+from memplan.estimator.lora import apply, layer_place
+from memplan.estimator.train_set import job_train_set, train_set
 from memplan.estimator.phases import model_states
 from memplan.hfconfig import model_from_config
 from memplan.presets import load_model

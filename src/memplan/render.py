@@ -30,9 +30,9 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
     (name → bytes at the peak), component_details (name, bytes, detail per part), peak_phase, timeline
     (phase → allocated bytes), host_bytes_per_node, nvme_bytes_per_node, target_bytes, gpu_name, gpu_bytes,
     fits_target, fits_gpu, notes, trainable_params and frozen_params (issue 14: LoRA adapters and --freeze;
-    estimator.lora.parameter_counts), and job (the resolved inputs: model, training, layout, plus dp).
+    estimator.train_set.parameter_counts), and job (the resolved inputs: model, training, layout, plus dp).
     """
-    from .estimator.lora import parameter_counts
+    from .estimator.train_set import parameter_counts
 
     dumped = est.model_dump(mode="json")
     job = dumped["job"]

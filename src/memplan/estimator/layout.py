@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from ..params import ParamTensor
 from ..specs import Job, LoraSpec, ModelSpec
-from .lora import train_set
+from .train_set import train_set
 
 #: Megatron-style tensor parallelism (Shoeybi et al. 2019, §3) and AutoTP shard these roles (params.Role):
 #: column-parallel attn_in / mlp_in (weight and bias), row-parallel attn_out / mlp_out (weight; bias whole),

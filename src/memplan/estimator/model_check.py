@@ -107,7 +107,7 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
     if lora is None:
         params = Params(ag, spec, b, lambda name: True)
     else:
-        from .lora import train_set
+        from .train_set import train_set
 
         ab = DTYPE_BYTES[adapter_dtype]
         ts = train_set(spec, lora, ())

@@ -7,7 +7,7 @@ micro-steps, each a forward (families/), ``engine.backward`` and ``engine.step``
 names ("init", "step1.micro0.forward", …), so measured and predicted phases line up. With LoRA, peft's adapters are
 built after the base (estimator/peft_linear.py: moved to the base's device and dtype, made fp32) and cast to the
 training dtype by deepspeed.initialize, except under zero.Init (ZeRO-3), which partitions them in fp32; only the
-trainable parameters (lora.train_set) reach the optimizer.
+trainable parameters (train_set.train_set) reach the optimizer.
 
 The loop (TrainingSpec.loop: memplan.verify's DeepSpeed loop keeping ``outputs`` or the ``loss``, or
 transformers' Trainer) is estimator/loop.py: its inputs, scalars, what its Python code keeps, and which phases
@@ -46,7 +46,7 @@ CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 def _trainable(job: Job):
     """Whether a parameter name trains (frozen groups and LoRA bases do not; LoRA's adapters do)."""
-    from .lora import job_train_set
+    from .train_set import job_train_set
 
     trains = {t.name: tr for t, tr in job_train_set(job.training, job.model).tensors}
     return lambda name: trains.get(name, False)
@@ -75,9 +75,9 @@ def build_model(L: Ledger, job: Job) -> dict[str, int]:
 def engine_for(L: Ledger, job: Job, trainable, places: Places, every: list[tuple[str, int]] | None = None,
                dp_rank: int = 0):
     """The ZeRO stage's engine model over ``every`` (name, numel) in ``parameters()`` order (default: the whole
-    model's, each LoRA adapter after its base layer's weight: lora.train_set; a pipeline stage passes its own),
+    model's, each LoRA adapter after its base layer's weight: train_set.train_set; a pipeline stage passes its own),
     seen from data-parallel rank ``dp_rank`` (whose ZeRO-1/2 partition it keeps)."""
-    from .lora import job_train_set
+    from .train_set import job_train_set
 
     t, z, lay = job.training, job.training.zero, job.layout
     b = dtype_bytes(t.dtype)
@@ -128,7 +128,7 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
     a ledger that receives the rank's host allocations (estimator/places.py); ``cpu_run``: the allocations of
     a DS_ACCELERATOR=cpu run instead, host and device in one ledger (the CPU trace comparison)."""
     from .loop import TrainerLoop, make_loop
-    from .lora import job_train_set
+    from .train_set import job_train_set
 
     skipped = frozenset(skipped)
     t = job.training

@@ -45,7 +45,7 @@ class Shape:
 class Params:
     """The model's parameters as autograd leaves (their bytes live in the model states, not here). ``adapters``:
     LoRA's A and B weights ((name, bytes), estimator/peft_linear.py), trained, with the adapters' dtype bytes,
-    rank and dropout; ``wrapped``: the parameters peft wraps in lora.ParamWrapper (lora.TrainSet.wrapped)."""
+    rank and dropout; ``wrapped``: the parameters peft wraps in lora.ParamWrapper (train_set.TrainSet.wrapped)."""
 
     def __init__(self, ag: Autograd, model: ModelSpec, b: int, trainable, adapters: tuple[tuple[str, int], ...] = (),
                  adapter_bytes: int = 0, lora_rank: int = 0, lora_dropout: float = 0.0, wrapped=None):
