@@ -20,7 +20,7 @@ _ROW_PARALLEL = ("attn_out", "mlp_out")
 class RankShare:
     """Parameters of the most loaded rank's replica, in elements. With frozen parameters (LoRA's base,
     --freeze) the fields the optimizer and ZeRO's gradient groups are built from count the trainable ones
-    only (deepspeed.initialize gets them alone, estimator/lora.py): ``params``, ``per_layer``, ``head``,
+    only (deepspeed.initialize gets them alone, estimator/train_set.py): ``params``, ``per_layer``, ``head``,
     ``largest``, ``largest_layer_module``, ``zero3_partition`` and the ZeRO-1/2 buffers; ``frozen`` and
     ``zero3_frozen_partition`` hold the rest; ``modules`` (what ZeRO-3 gathers) all of them."""
 
