@@ -289,3 +289,21 @@ def test_offloaded_grads_cross_the_host_link_on_the_reduce_stream():
         link = sum(L.work_bytes[k] for k, (kind, s) in enumerate(zip(L.work_kernel, L.work_stream))
                    if kind == HOST_LINK and s == 1)
         assert link == expected
+
+
+@pytest.mark.parametrize("bucket", [50_000_000, 500_000_000])
+def test_every_reduced_zero3_grad_is_freed_on_the_reduce_stream(bucket):
+    # stage3.py: a grad copied into the IPG bucket (__add_grad_to_ipg_bucket) and one that kept its own storage
+    # (larger than the bucket's room: partition_grads) are both recorded on the reduce stream before param.grad
+    # = None, one its partitions view in place included. llama-3.2-1b ties its embedding to the head: the head's
+    # grad (262M elements) is larger than a 50M bucket and divides by the 8 ranks (reduce_scatter_coalesced's
+    # single-tensor path); a norm weight's grad is the reduction named ``.reduced``, not ``grad.<parameter>``
+    from memplan.params import parameter_tensors
+
+    job = _zero3(seq_len=512, zero={"stage": 3, "reduce_bucket_size": bucket})
+    L = build_ledger(job, steps=1)
+    grads = {f"grad.{t.name}" for t in parameter_tensors(job.model)} | {"grad.lm_head.weight"}
+    freed = [~e for e in L.events if e < 0 and L.names[~e] in grads]
+    assert "grad.lm_head.weight" in {L.names[t] for t in freed}
+    assert len(freed) > 16 * 7  # every layer's seven matrices
+    assert all(L.stream_used.get(t) == 1 for t in freed)

@@ -285,10 +285,11 @@ class Zero3(Zero3Params):
                     if not self.nvme_opt:  # fp32_grad_tensor.copy_(the cast, non_blocking=True) to the host
                         L.work(0.0, 0.0, FP32 * n, HOST_LINK, s)
                     nvme_fp32.append(cast) if self.nvme_opt else L.free(cast)
-            if kept is not None and not holds_grad:
-                if kept.storage is not None:  # partition_grads: param.grad.record_stream(the reduce stream)
-                    L.record_stream(kept.storage.tid, s)
-                ag.release(kept)  # param.grad = None
+            if kept is not None:
+                if kept.storage is not None:  # partition_grads: param.grad.record_stream(the reduce stream),
+                    L.record_stream(kept.storage.tid, s)  # a grad its partitions view included
+                if not holds_grad:
+                    ag.release(kept)  # param.grad = None (one its partitions view dies with them)
         for c in nvme_fp32:  # after _swap_out_offload_fp32_gradients
             L.free(c)
         P.free_dev(staging)
