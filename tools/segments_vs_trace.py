@@ -17,8 +17,8 @@ from pathlib import Path
 from memplan.accuracy import iter_rows, job_of_row, skipped_steps
 from memplan.allocator import simulate
 from memplan.allocator.replay import measured_reserved
-from memplan.allocator.trace import (ALLOC, FREE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, marker_test,
-                                     read_trace)
+from memplan.allocator.trace import (ALLOC, FREE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE,
+                                     SEGMENT_MAP, SEGMENT_UNMAP, marker_test, read_trace)
 from memplan.estimator import LEDGER_STEPS
 from memplan.estimator.gpu_time import GpuRates, timed
 from memplan.estimator.program import build_ledger
@@ -71,7 +71,9 @@ def trace_segments(path: Path, phases: list[str], phase: str) -> list[str]:
             pending.pop(addr[i], None)
         elif a == FREE:
             live.pop(addr[i], None)
-        elif a == SEGMENT_ALLOC:
+        elif a in (SEGMENT_FREE, SEGMENT_UNMAP):  # empty_cache or the OOM path
+            reserved -= size[i]
+        elif a in (SEGMENT_ALLOC, SEGMENT_MAP):
             reserved += size[i]
             if cur == phase:
                 nxt = next((j for j in range(i + 1, len(act)) if act[j] == ALLOC), None)
