@@ -38,13 +38,18 @@ def _row(name: str, paths: list[Path]) -> dict:
 
 
 def _trace_path(row: dict, given: list[Path]) -> Path | None:
-    """The trace given, else the one the row names (``trace_file``) when it is committed."""
+    """The trace given, else the committed trace of the row's name (the one the row names first) whose peak
+    reserved is the row's: a job measured in several sessions has a trace from each."""
     name = row["name"]
     found = [p for p in given if p.name.startswith(name)]
+    if found:
+        return found[-1]
     named = Path(row.get("trace_file") or "")
-    if not found and named.name.startswith(name) and named.is_file():
-        found = [named]
-    return found[-1] if found else None
+    for path in [named] * named.name.startswith(name) + sorted(ROOT.glob(f"traces*/{name}.json.gz")):
+        if path.is_file() and (measured_reserved(read_trace(str(path)), allow_incomplete=True)["peak_reserved_bytes"]
+                               == row.get("peak_reserved_bytes")):
+            return path
+    return None
 
 
 def trace_segments(path: Path, phases: list[str], phase: str) -> list[str]:
