@@ -276,6 +276,7 @@ def test_classify_frame(label, component):
 TRACE_DIRS = [ROOT / "benchmarks/accuracy/traces", ROOT / "benchmarks/accuracy/traces-lone",
               ROOT / "benchmarks/accuracy/traces-lone-h100", ROOT / "benchmarks/accuracy/traces-19",
               ROOT / "benchmarks/accuracy/traces-20", ROOT / "benchmarks/accuracy/traces-22",
+              ROOT / "benchmarks/accuracy/traces-23",
               ROOT / "benchmarks/allocator/gpu"]
 TRACE_FILES = sorted(p for d in TRACE_DIRS for p in d.glob("*.json.gz")
                      if p.name.startswith("trace") or d.name.startswith("traces"))
