@@ -6,7 +6,7 @@ with none; per group the allocated median / worst, how many reserved points are 
 most under, and how many are more than 3 % under or more than 10 % over. ``--dump FILE``: every comparison as a
 JSON line as well (to diff two estimator versions).
 
-Usage: python tools/accuracy_groups.py [--dump FILE]
+Usage: python tools/accuracy_groups.py [--dump FILE] [ROWS.jsonl|DIR ...]  (default benchmarks/accuracy/)
 """
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def _line(label: str, points) -> str:
 
 
 def main(argv: list[str]) -> int:
-    cs = compare_rows(iter_rows(Path("benchmarks/accuracy")))
-    if "--dump" in argv:
-        with open(argv[argv.index("--dump") + 1], "w") as fh:
+    dump = argv[argv.index("--dump") + 1] if "--dump" in argv else None
+    paths = [Path(a) for a in argv if a not in ("--dump", dump)] or [Path("benchmarks/accuracy")]
+    cs = compare_rows(row for path in paths for row in iter_rows(path))
+    if dump:
+        with open(dump, "w") as fh:
             for c in cs:
                 fh.write(json.dumps({"name": c.name, "split": c.split, "model": c.model, "loop": c.loop,
                                      "error": c.error, "reserved_error": c.reserved_error,
