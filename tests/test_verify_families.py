@@ -143,6 +143,11 @@ def test_verify_runs_the_families_end_to_end(built, tmp_path, name, stage, check
 
 MATRIX = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy" / "matrix6-families.jsonl"
 NEW_FAMILIES = {"gemma2", "gemma3_text", "phi3", "qwen3_moe", "olmo2", "deepseek_v3"}
+#: lines the H200 ran that today's estimate calls too large for it, each with the cause found. Strict: a line that
+#: fits again fails here until its entry goes, and the excess stays under 5 % of the card
+OVER_CARD = {"ds4l-z3-s4k-w8": "measured 134.9 GiB reserved; the replay keeps one more 7 GiB segment (141.9 GiB): its "
+             "stacked-expert grads, reduced in place and freed with record_stream as DeepSpeed does (6508909), stay "
+             "pending longer in the timing replay than on the GPU (issue 12, session 23)"}
 
 
 def test_family_matrix_parses_and_covers_the_acceptance():
@@ -162,8 +167,11 @@ def test_family_matrix_parses_and_covers_the_acceptance():
     for item in items:
         worker.check_supported(item.job)  # raises Unsupported for what the harness cannot run
         assert not item.opts["launch"], item.name
-        # predicted within the H200's capacity (ds4l-z3-s4k-w8 measured 134.9 GiB reserved there, predicted exact)
-        assert item.name in oom or item.need_bytes < resolve_gpu("h200").memory_bytes, item.name
+        card = resolve_gpu("h200").memory_bytes
+        if item.name in OVER_CARD:  # measured to fit, predicted a little above the card (see OVER_CARD)
+            assert card <= item.need_bytes < 1.05 * card, (item.name, OVER_CARD[item.name])
+        else:  # predicted within the H200's capacity
+            assert item.name in oom or item.need_bytes < card, item.name
     for family in NEW_FAMILIES:
         jobs = [i.job for i in items if i.job.model.family == family]
         cells = {(j.training.zero.stage, j.training.checkpointing) for j in jobs}
