@@ -164,10 +164,10 @@ def test_family_matrix_parses_and_covers_the_acceptance():
     measured = MATRIX.parent / "rows-h200-6-families.jsonl"
     oom = {r["name"] for r in map(json.loads, measured.read_text().splitlines()) if r["status"] == "oom"}
     assert oom <= {i.name for i in items}
+    card = resolve_gpu("h200").memory_bytes
     for item in items:
         worker.check_supported(item.job)  # raises Unsupported for what the harness cannot run
         assert not item.opts["launch"], item.name
-        card = resolve_gpu("h200").memory_bytes
         if item.name in OVER_CARD:  # measured to fit, predicted a little above the card (see OVER_CARD)
             assert card <= item.need_bytes < 1.05 * card, (item.name, OVER_CARD[item.name])
         else:  # predicted within the H200's capacity

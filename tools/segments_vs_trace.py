@@ -37,30 +37,30 @@ def _row(name: str, paths: list[Path]) -> dict:
     raise SystemExit(f"no ok row named {name}")
 
 
-def _trace_path(row: dict, given: list[Path]) -> Path | None:
+def _trace(row: dict, given: list[Path]) -> dict | None:
     """The trace given, else the committed trace of the row's name (the one the row names first) whose peak
     reserved is the row's: a job measured in several sessions has a trace from each."""
     name = row["name"]
     found = [p for p in given if p.name.startswith(name)]
     if found:
-        return found[-1]
+        return read_trace(str(found[-1]))
     named = Path(row.get("trace_file") or "")
     for path in [named] * named.name.startswith(name) + sorted(ROOT.glob(f"traces*/{name}.json.gz")):
-        if path.is_file() and (measured_reserved(read_trace(str(path)), allow_incomplete=True)["peak_reserved_bytes"]
-                               == row.get("peak_reserved_bytes")):
-            return path
+        if path.is_file():
+            tr = read_trace(str(path))
+            if measured_reserved(tr, allow_incomplete=True)["peak_reserved_bytes"] == row.get("peak_reserved_bytes"):
+                return tr
     return None
 
 
-def trace_segments(path: Path, phases: list[str], phase: str) -> list[str]:
+def trace_segments(tr: dict, phases: list[str], phase: str) -> list[str]:
     """Lines for each segment_alloc inside ``phase`` of the trace (phases: the row's phase names in order, one
     per marker)."""
-    tr = read_trace(str(path))
     phases = (tr.get("extra") or {}).get("phases") or phases
     is_marker = marker_test(tr)
     act, size, stream, addr, frame = tr["action"], tr["size"], tr["stream"], tr["addr"], tr["frame"]
     k, cur = -1, None
-    pending: dict[int, tuple[int, int, int]] = {}  # addr -> (index, bytes, stream)
+    pending: dict[int, tuple[int, int]] = {}  # addr -> (bytes, stream) of a requested, not completed free
     live: dict[int, tuple[int, int]] = {}
     lines, reserved = [], 0
     for i, a in enumerate(act):
@@ -71,7 +71,7 @@ def trace_segments(path: Path, phases: list[str], phase: str) -> list[str]:
         if a == ALLOC:
             live[addr[i]] = (size[i], stream[i])
         elif a == FREE_REQUESTED:
-            pending[addr[i]] = (i, *live.pop(addr[i], (size[i], stream[i])))
+            pending[addr[i]] = live.pop(addr[i], (size[i], stream[i]))
         elif a == FREE_COMPLETED:
             pending.pop(addr[i], None)
         elif a == FREE:
@@ -83,7 +83,7 @@ def trace_segments(path: Path, phases: list[str], phase: str) -> list[str]:
             if cur == phase:
                 nxt = next((j for j in range(i + 1, len(act)) if act[j] == ALLOC), None)
                 req = f"{size[nxt] / MIB:9.1f} MiB s{stream[nxt]}" if nxt is not None else "?"
-                held = sorted(((b, s) for _, b, s in pending.values()), reverse=True)
+                held = sorted(pending.values(), reverse=True)
                 lines.append(f"  trace  seg {size[i] / MIB:9.1f} MiB for {req} -> {reserved / 2**30:7.2f} GiB; "
                              f"pending {len(held)} ({sum(b for b, _ in held) / MIB:.0f} MiB): "
                              + ", ".join(f"{b / MIB:.0f}s{s}" for b, s in held[:8]))
@@ -99,14 +99,12 @@ def replay(row: dict):
     return L, T, simulate(T, allocator_config(job))
 
 
-def phase_table(row: dict, path: Path | None) -> list[str]:
+def phase_table(row: dict, tr: dict | None, sim) -> list[str]:
     """Each phase's peak reserved: the row's, the trace's and the replay's."""
-    _, _, sim = replay(row)
     ours = {p.label: p.peak_reserved_bytes for p in sim.phases}
     traced = {}
-    if path is not None:
-        traced = {p["label"]: p["peak_reserved_bytes"]
-                  for p in measured_reserved(read_trace(str(path)), allow_incomplete=True)["phases"]}
+    if tr is not None:
+        traced = {p["label"]: p["peak_reserved_bytes"] for p in measured_reserved(tr, allow_incomplete=True)["phases"]}
     out = []
     for ph in row.get("phases") or ():
         cells = [ph.get("peak_reserved_bytes"), traced.get(ph["name"]), ours.get(ph["name"])]
@@ -114,18 +112,15 @@ def phase_table(row: dict, path: Path | None) -> list[str]:
     return ["  phase                         row   trace  replay (GiB)", *out]
 
 
-def replay_segments(row: dict, phase: str) -> list[str]:
-    L, T, sim = replay(row)
+def replay_segments(L, T, sim, phase: str) -> list[str]:
+    """Lines for each new segment the timed replay ``T`` of ledger ``L`` (simulated: ``sim``) makes in ``phase``."""
+    span = next(((a, b) for label, a, b in T.phase_spans() if label == phase), None)
+    if span is None:
+        return [f"  replay has no phase {phase}"]
+    start, stop = span
     free_at = {~e: j for j, e in enumerate(L.events) if e < 0}
     alloc_at = {e: j for j, e in enumerate(L.events) if e >= 0}
     tfree_at = {~e: j for j, e in enumerate(T.events) if e < 0}
-    spans = {m.label: m.at for m in T.marks}
-    labels = [m.label for m in sorted(T.marks, key=lambda m: m.at) if m.kind != "empty_cache"]
-    if phase not in spans:
-        return [f"  replay has no phase {phase}"]
-    start = spans[phase]
-    after = labels[labels.index(phase) + 1] if labels.index(phase) + 1 < len(labels) else None
-    stop = spans[after] if after else len(T.events)
     lines, prev = [], 0
     for j, reserved in sim.reserved_timeline:
         grew = reserved > prev
@@ -151,13 +146,13 @@ def main(argv: list[str]) -> int:
     given = [Path(a) for a in argv[1:] if a.endswith((".jsonl", ".gz"))]
     row = _row(name, [p for p in given if p.suffix == ".jsonl"])
     phase = phase or row["peak_phase"]
-    names = [p["name"] for p in row.get("phases") or ()]
-    path = _trace_path(row, [p for p in given if p.suffix == ".gz"])
+    tr = _trace(row, [p for p in given if p.suffix == ".gz"])
+    L, T, sim = replay(row)
     print(f"{name}: phase {phase}; measured reserved {row['peak_reserved_bytes'] / 2**30:.2f} GiB")
-    print("\n".join(phase_table(row, path)))
-    if path is not None:
-        print("\n".join(trace_segments(path, names, phase)))
-    print("\n".join(replay_segments(row, phase)))
+    print("\n".join(phase_table(row, tr, sim)))
+    if tr is not None:
+        print("\n".join(trace_segments(tr, [p["name"] for p in row.get("phases") or ()], phase)))
+    print("\n".join(replay_segments(L, T, sim, phase)))
     return 0
 
 
