@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from memplan.allocator import simulate
 from memplan.estimator.gpu_behind import gpu_behind
-from memplan.estimator.gpu_time import LAUNCH_QUEUE, GpuRates, launch_lags, phase_seconds, timed
+from memplan.estimator.gpu_time import LAUNCH_QUEUE, GpuRates, event_clocks, launch_lags, phase_seconds, timed
 from memplan.estimator.program import build_ledger
 from memplan.estimator.timing import FAKE_COLLECTIVE, FAKE_GATHER_COPY_S, MEMORY, attention_flops, gemm_flops
 from memplan.ledger import SYNC, Ledger
@@ -307,3 +307,14 @@ def test_every_reduced_zero3_grad_is_freed_on_the_reduce_stream(bucket):
     assert "grad.lm_head.weight" in {L.names[t] for t in freed}
     assert len(freed) > 16 * 7  # every layer's seven matrices
     assert all(L.stream_used.get(t) == 1 for t in freed)
+
+
+def test_event_clocks_are_the_host_and_compute_clocks_at_each_event():
+    # _layers(10): the host spends 0.5 s, gathers layer 0's weight (the GPU has nothing queued yet), launches its
+    # 10 s kernel and frees the weight at once; the compute stream will have run that kernel at 0.5 + 10 s
+    clocks = event_clocks(_layers(kernel_s=10), SLOW)
+    assert clocks[0] == pytest.approx((0.5, 0.0))
+    assert clocks[1] == pytest.approx((0.5, 10.5))
+    # the second layer's gather comes 0.5 s of host time later, with the GPU 10 s further on once it is launched
+    assert clocks[2] == pytest.approx((1.0, 10.5))
+    assert clocks[3] == pytest.approx((1.0, 20.5))

@@ -136,8 +136,16 @@ def launch_lags(L: Ledger, rates: GpuRates, emulated: bool = False) -> list[tupl
     return [(marks[i - 1].label if i else "", lag) for i, lag in lags]
 
 
-def _walk(L: Ledger, rates: GpuRates, lags: list | None = None, emulated: bool = False
-          ) -> tuple[list[int], list[Mark], list[float]]:
+def event_clocks(L: Ledger, rates: GpuRates, emulated: bool = False) -> list[tuple[float, float]]:
+    """(host clock, compute-stream clock) in seconds at each of ``L.events`` as the replay reaches it: when the
+    host makes that allocation or free, and when the GPU will have run every compute kernel queued by then."""
+    clocks: list[tuple[float, float]] = []
+    _walk(L, rates, emulated=emulated, clocks=clocks)
+    return clocks
+
+
+def _walk(L: Ledger, rates: GpuRates, lags: list | None = None, emulated: bool = False,
+          clocks: list | None = None) -> tuple[list[int], list[Mark], list[float]]:
     """(events with each deferred free moved, the marks at their new places, the time each mark and the end are
     reached). Each stream is a clock: the compute stream (0) runs its kernels in order; a kernel on another stream
     (the reduce stream 1, the all-gather stream 2) starts once that stream is free, the host has launched it and the
@@ -219,6 +227,8 @@ def _walk(L: Ledger, rates: GpuRates, lags: list | None = None, emulated: bool =
         if i == len(events):
             break
         ev = events[i]
+        if clocks is not None:
+            clocks.append((cpu, clock[0]))
         if ev >= 0:
             release(cpu)  # process_events at the malloc
             out.append(ev)
@@ -232,4 +242,4 @@ def _walk(L: Ledger, rates: GpuRates, lags: list | None = None, emulated: bool =
     return out, new_marks, reached
 
 
-__all__ = ["GpuRates", "LAUNCH_QUEUE", "launch_lags", "phase_seconds", "timed"]
+__all__ = ["GpuRates", "LAUNCH_QUEUE", "event_clocks", "launch_lags", "phase_seconds", "timed"]
