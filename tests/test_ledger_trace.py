@@ -151,6 +151,44 @@ def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, checkp
                            f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
 
 
+#: a full backward hook (register_full_backward_hook, a no-op) on every decoder layer, as profilers and memplan
+#: verify's timeline markers until session 25 put them: torch's BackwardHook keeps each layer's output gradient
+#: until its input gradient is done (estimator/layer_hooks.py)
+LAYER_HOOKED = [
+    ("llama", 2, 64, "bf16", "sdpa"),
+    ("llama_tied", 2, 32, "fp32", "eager"),
+    ("mixtral", 2, 32, "bf16", "sdpa"),
+    ("deepseek_v3", 2, 32, "bf16", "sdpa"),
+    ("gemma2", 2, 32, "bf16", "eager"),
+    ("phi3_window", 2, 32, "bf16", "sdpa"),
+    ("olmo2", 2, 32, "bf16", "sdpa"),
+    ("gpt2", 2, 32, "bf16", "sdpa"),
+    ("gpt_neox", 2, 32, "bf16", "sdpa"),
+    ("bloom", 2, 32, "bf16", "eager"),
+]
+
+
+@pytest.mark.parametrize(("tiny", "batch", "seq", "dtype", "attention"), LAYER_HOOKED)
+def test_layer_backward_hooks_match_cpu_trace(tiny, batch, seq, dtype, attention):
+    from memplan.verify import hfbuild
+
+    cfg = model_check.TINY[tiny]
+    model = cputrace.tiny_causal_lm(cfg, dtype, attention)
+    layers = hfbuild.decoder_layers(model)
+    assert layers
+    for layer in layers:
+        layer.register_full_backward_hook(lambda *_: None)
+    step = cputrace.micro_step(model, batch, seq, cfg["vocab_size"])
+    real = cputrace.net_events(cputrace.record(step))
+    predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
+                                         layer_hooks=True)
+    unhooked = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu")
+    assert predicted != unhooked  # the hooks change the order of events, or the case checks nothing
+    first = model_check.first_mismatch(real, predicted)
+    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
+                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+
+
 #: peft LoRA on the tiny models (issue 14): (TINY config, batch, seq, dtype, attention, checkpointing, targets, rank,
 #: dropout, adapter dtype). fp32 adapters are peft's autocast_adapter_dtype (kept under ZeRO-3); adapters in the
 #: training dtype are what DeepSpeed's cast leaves at ZeRO 0-2. Checkpointing adds enable_input_require_grads.

@@ -21,6 +21,10 @@ Optimizer = Literal["adamw", "torch_adamw", "torch_adamw_fused", "cpu_adam", "sg
 #: loss — only the loss survives the forward, ``loss = engine(...).loss``;
 #: hf-trainer — transformers' Trainer with --deepspeed (training_step / compute_loss keep only the loss)
 Loop = Literal["outputs", "loss", "hf-trainer"]
+#: full backward hooks (``register_full_backward_hook``) on every decoder layer, which keep each layer's output
+#: gradient alive through its backward (estimator/layer_hooks.py): none; first — during the first micro-step only
+#: (the timeline markers of memplan verify before session 25); every — in every micro-step (a profiler's hooks)
+LayerBackwardHooks = Literal["none", "first", "every"]
 #: which code builds the model: transformers' modeling_<family>.py, or Megatron's GPT (megatron-core layers)
 ModelImpl = Literal["transformers", "megatron"]
 #: peft's LoraConfig.bias
@@ -174,6 +178,8 @@ class TrainingSpec(_Frozen):
     freeze: tuple[str, ...] = Field((), description="frozen parameter groups without adapters: embeddings, "
                                     "lm_head, norms, layers:N (the first N layers)")
     allocator: AllocatorSpec = AllocatorSpec()
+    layer_backward_hooks: LayerBackwardHooks = Field(
+        "none", description="full backward hooks on every decoder layer: none, first (first micro-step) or every")
     model_impl: ModelImpl = Field("transformers", description="which code builds the model")
     megatron: MegatronSpec = Field(MegatronSpec(), description="Megatron's memory flags (model_impl megatron)")
 
@@ -186,6 +192,14 @@ class TrainingSpec(_Frozen):
                              "frozen groups); allowed: no --lora-*/--peft-config/--freeze")
         if self.loop == "hf-trainer":
             raise ValueError("model_impl megatron runs Megatron's own training loop; allowed: --loop outputs or loss")
+        return self
+
+    @model_validator(mode="after")
+    def _check_layer_hooks(self) -> TrainingSpec:
+        if self.layer_backward_hooks != "none" and (self.checkpointing != "none" or self.model_impl != "transformers"):
+            raise ValueError("layer_backward_hooks is modelled on transformers' layers without checkpointing (a "
+                             "checkpointed layer's hooks run again in its recompute); allowed: layer_backward_hooks "
+                             "none, or checkpointing none with model_impl transformers")
         return self
 
     @model_validator(mode="after")
@@ -272,6 +286,9 @@ class Job(_Frozen):
                     "UlyssesSPAttentionHF splits the kv heads over the sp ranks, or replicates them when sp is a "
                     "multiple of their count)"
                 )
+        if t.layer_backward_hooks != "none" and lay.pp > 1:
+            raise ValueError("layer_backward_hooks with pp > 1: the pipeline's layers are not modelled with them; "
+                             "allowed: layer_backward_hooks none, or pp 1")
         if lay.tp > 1 and m.num_heads % lay.tp:
             raise ValueError(f"num_attention_heads ({m.num_heads}) must be divisible by tp ({lay.tp})")
         if lay.tp > 1 and m.num_kv_heads % lay.tp:

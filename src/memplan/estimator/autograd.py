@@ -172,11 +172,16 @@ class Autograd(BackwardEngine):
     def marker(self, t: Tensor, fn: Callable[[], None]) -> Tensor:
         """An alias of ``t`` whose backward runs ``fn`` when the gradient reaches it and passes the gradient on
         (the autograd functions DeepSpeed wraps module inputs and outputs in for its backward hooks)."""
+        return self.grad_hook(t, lambda grad: fn())
+
+    def grad_hook(self, t: Tensor, on_grad: Callable[[Tensor], None]) -> Tensor:
+        """An alias of ``t`` whose backward calls ``on_grad(grad)`` with the gradient that reached it (which may
+        take a reference to it) and passes the gradient on: a custom autograd function returning its input."""
         v = Tensor(t.storage, t.nbytes, t.name, t.requires_grad, is_view=True)
         self.ref(v)
         if t.requires_grad and self.grad_enabled:
             def backward(ctx, grad, node):
-                fn()
+                on_grad(grad)
                 return grad
             v.node = self._node("HookBackward", (t,), (), backward)
         return v

@@ -89,14 +89,16 @@ TINY = {
 
 def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
                device: str = "cpu", sdpa_backend: str | None = None, checkpointing: bool = False,
-               lora=None, adapter_dtype: str = "fp32", sp: int = 1) -> tuple[Ledger, dict[str, Tensor]]:
+               lora=None, adapter_dtype: str = "fp32", sp: int = 1, layer_hooks: bool = False
+               ) -> tuple[Ledger, dict[str, Tensor]]:
     """The ledger of one loss-loop micro-step of ``config`` (forward, loss, backward) as the autograd model
     issues it, with the attention kernels ``device`` runs (``sdpa_backend``: one forced, as
     torch.nn.attention.sdpa_kernel does), and each parameter's gradient (what .grad keeps) by name.
     ``checkpointing``: every decoder layer checkpointed the non-reentrant way (transformers' default).
     ``lora``: a LoraSpec applied as peft's get_peft_model applies it (the base frozen), with the adapters in
     ``adapter_dtype`` (fp32: peft's autocast_adapter_dtype; the training dtype: as DeepSpeed casts them).
-    ``sp``: Ulysses over that many ranks, this rank holding seq / sp tokens and passing position_ids."""
+    ``sp``: Ulysses over that many ranks, this rank holding seq / sp tokens and passing position_ids.
+    ``layer_hooks``: a full backward hook on every decoder layer (estimator/layer_hooks.py)."""
     from .checkpoint import nonreentrant
 
     spec = model_from_config(dict(config), "tiny", "tiny test config")
@@ -119,6 +121,10 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
     net = Net(ag, spec, Shape(batch, seq // sp, seq, b, positions_given=sp > 1), params, layer_fn=layer_fn, attention=attention, device=device,
               dtype=dtype, sdpa_backend=sdpa_backend)
     net.input_require_grads = checkpointing  # gradient_checkpointing_enable → enable_input_require_grads
+    if layer_hooks:
+        from .layer_hooks import LayerBackwardHooks
+
+        net.layer_hooks = LayerBackwardHooks()
     out = forward(net)
     leaves = ag.take_leaves()
     ag.release(out.logits)
@@ -132,13 +138,13 @@ def micro_step(config: dict, batch: int, seq: int, dtype: str = "bf16", attentio
 def model_events(config: dict, batch: int, seq: int, dtype: str = "bf16", attention: str = "sdpa",
                  device: str = "cpu", sdpa_backend: str | None = None, kernel_temporaries: bool = False,
                  blocks: bool = False, checkpointing: bool = False, lora=None, adapter_dtype: str = "fp32",
-                 sp: int = 1) -> list[tuple[int, str, int]]:
+                 sp: int = 1, layer_hooks: bool = False) -> list[tuple[int, str, int]]:
     """(±bytes, name, partner) of ``micro_step``'s ledger in the form the trace comparisons use:
     ``partner`` is, for a free, the index of its allocation in the returned list (-1 for an allocation).
     Kernel temporaries (.tmp) and scalars are left out unless ``kernel_temporaries`` (the CUDA comparison,
     memplan.verify.cudatrace); ``blocks``: sizes rounded to the caching allocator's 512-byte blocks."""
     ledger, _ = micro_step(config, batch, seq, dtype, attention, device, sdpa_backend, checkpointing, lora,
-                           adapter_dtype, sp)
+                           adapter_dtype, sp, layer_hooks)
     events: list[tuple[int, str, int]] = []
     at: dict[int, int] = {}
     for ev in ledger.events:

@@ -30,6 +30,7 @@ from .autograd import Autograd
 from .bf16opt import BF16Optimizer
 from .families import forward as forward_of
 from .flat_groups import FlatGroup
+from .layer_hooks import LayerBackwardHooks
 from .optim import Optimizer
 from .peft_linear import adapter_tensors, build_adapters, cast_adapters
 from .places import Places
@@ -190,11 +191,16 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
 
         layer_fn = nonreentrant(ag)
 
+    forwards = []  # the forwards run so far (layer_backward_hooks "first": the first micro-step's only)
+
     def forward():
         if hooks is not None:
             hooks.start_forward()
         net = Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype)
         net.input_require_grads = t.checkpointing != "none"  # gradient_checkpointing_enable's hook
+        if t.layer_backward_hooks == "every" or (t.layer_backward_hooks == "first" and not forwards):
+            net.layer_hooks = LayerBackwardHooks()
+        forwards.append(len(forwards))
         out = forward_of(net)
         out = out if hooks is None else hooks.end_forward(ag, out)
         out.leaves = ag.take_leaves()

@@ -116,6 +116,8 @@ class Net:
         #: transformers' enable_input_require_grads (gradient_checkpointing_enable calls it): a forward hook on
         #: the input embeddings, ``output.requires_grad_(True)`` (a leaf when the embedding is frozen)
         self.input_require_grads = False
+        #: full backward hooks on every decoder layer (estimator/layer_hooks.py), or None
+        self.layer_hooks = None
 
     def module(self, name: str, fn, *inputs: Tensor, params: tuple[Tensor | None, ...] = (), hooked: int = 0):
         """Call module ``name`` (``fn(*inputs)``; ``params``: its own parameters, module.parameters(recurse=False)
@@ -231,6 +233,8 @@ class Net:
     def layer(self, i: int, x: Tensor, run, extras: tuple[Tensor, ...] = ()) -> Tensor:
         """Decoder layer i: ``run(x)`` itself, or wrapped by the checkpointing layer function. ``extras``: the
         layer's other tensor arguments (a checkpoint frame keeps them too: rotary tables, masks)."""
+        if self.layer_hooks is not None:
+            run = self.layer_hooks.wrap(self.ag, i, run)
         return self.layer_fn(i, x, run, extras) if self.layer_fn else run(x)
 
 

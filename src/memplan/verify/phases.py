@@ -182,15 +182,23 @@ class Recorder:
 
 
 class TimelineHooks:
-    """Forward (and, where safe, backward) hooks on every decoder layer and the final norm / lm_head."""
+    """Forward hooks on every decoder layer and the final norm / lm_head, and backward marks on the layers.
 
-    def __init__(self, recorder: Recorder, layers: list, finals: list, backward: bool):
+    ``backward``: "none"; "tensor" — hooks on each layer's hidden-state output and argument tensors
+    (Tensor.register_hook: called with the gradient once it is complete, keeping no reference to it, so the job's
+    memory is what it would be without them); "module" — register_full_backward_pre_hook / _hook, as the job asks
+    (TrainingSpec.layer_backward_hooks): torch's BackwardHook keeps each layer's output gradient until the layer's
+    input gradient is done (estimator/layer_hooks.py), which changes how gradients accumulate."""
+
+    def __init__(self, recorder: Recorder, layers: list, finals: list, backward: str):
         self.recorder = recorder
         self.handles: list = []
         for i, layer in enumerate(layers):
             self._forward(layer, f"layer {i}")
-            if backward:
+            if backward == "module":
                 self._backward(layer, f"layer {i}")
+            elif backward == "tensor":
+                self._tensor_backward(layer, f"layer {i}")
         for label, module in finals:
             self._forward(module, label)
 
@@ -203,6 +211,24 @@ class TimelineHooks:
         rec = self.recorder
         self.handles.append(module.register_full_backward_pre_hook(lambda *_: rec.mark(f"backward, {what}, before")))
         self.handles.append(module.register_full_backward_hook(lambda *_: rec.mark(f"backward, {what}, after")))
+
+    def _tensor_backward(self, module, what: str) -> None:
+        """Marks from hooks on the layer's hidden states (the first positional argument, else ``hidden_states``,
+        and the output's first tensor): a tensor hook returning None changes nothing and holds nothing."""
+        rec = self.recorder
+
+        def mark_on(t, label: str) -> None:
+            if getattr(t, "requires_grad", False) and hasattr(t, "register_hook"):
+                t.register_hook(lambda _grad: rec.mark(label))
+
+        def before_forward(_module, args, kwargs):
+            mark_on(args[0] if args else kwargs.get("hidden_states"), f"backward, {what}, after")
+
+        def after_forward(_module, _args, out):
+            mark_on(out[0] if isinstance(out, (tuple, list)) and out else out, f"backward, {what}, before")
+
+        self.handles.append(module.register_forward_pre_hook(before_forward, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(after_forward))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -110,7 +110,7 @@ class _Phases:
         self.step, self.micro = (global_step, 0) if global_step != self.step else (self.step, self.micro + 1)
         if self.step == 0 and self.micro == 0:
             self.hooks = TimelineHooks(self.rec, hfbuild.decoder_layers(self.model), hfbuild.final_modules(self.model),
-                                       backward=False)
+                                       backward="none")
         self.rec.begin(f"step{self.step}.micro{self.micro}.forward")
 
     def attach(self, engine) -> None:

@@ -35,6 +35,8 @@ def check_supported(job: Job, mode: str = "emulated") -> None:
     reason = reason or (pipeline.unsupported_reason(job) if lay.pp > 1 else None)
     if reason:
         raise Unsupported(reason)
+    if t.layer_backward_hooks != "none" and t.loop == "hf-trainer":
+        raise Unsupported("layer_backward_hooks with the hf-trainer loop: this harness adds them in its DeepSpeed loop")
     if lay.sp > 1 and job.model.family == "gpt2":
         raise Unsupported("Ulysses sp > 1 on gpt2: DeepSpeed's UlyssesSPAttentionHF fails on transformers' GPT-2")
     if lay.sp > 1 and t.attention == "eager":
@@ -113,16 +115,20 @@ def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_ra
     vocab = model.config.get_text_config().vocab_size
     positions = torch.arange(sp_rank * shard, (sp_rank + 1) * shard, device=device).unsqueeze(0).expand(t.micro_batch, -1)
     extra = {"position_ids": positions} if job.layout.sp > 1 else {}
-    backward_hooks = t.checkpointing == "none" and t.zero.stage < 3 and t.lora is None and not t.freeze
+    # backward marks: the job's own full backward hooks where it asks for them, else tensor hooks that hold nothing
+    # (ZeRO-3's and checkpointing's autograd functions around the layers: no backward marks there)
+    marks = "tensor" if t.checkpointing == "none" and t.zero.stage < 3 and t.lora is None and not t.freeze else "none"
     keep_outputs = t.loop == "outputs"
     outputs = None
     with attention_context(job):
         for s in range(steps):
             for m in range(t.grad_accum):
                 hooks = None
-                if s == 0 and m == 0:
+                module_hooks = t.layer_backward_hooks == "every" or (t.layer_backward_hooks == "first" and s == m == 0)
+                if (s == 0 and m == 0) or module_hooks:
                     layers = hfbuild.decoder_layers(model)
-                    hooks = TimelineHooks(rec, layers, hfbuild.final_modules(model), backward_hooks)
+                    hooks = TimelineHooks(rec, layers, hfbuild.final_modules(model) if s == m == 0 else [],
+                                          "module" if module_hooks else marks if s == m == 0 else "none")
                 ids = torch.randint(0, vocab, (t.micro_batch, shard), device=device)
                 rec.begin(f"step{s}.micro{m}.forward")
                 if keep_outputs:
