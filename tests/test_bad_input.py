@@ -29,6 +29,7 @@ CHOICE_FLAGS = {
     "--offload-param": ("none", "cpu", "nvme"), "--dtype": ("bf16", "fp16", "fp32"),
     "--checkpointing": ("none", "selective", "full"), "--attention": ("flash", "sdpa", "eager"),
     "--optimizer": ("adamw", "torch_adamw", "cpu_adam", "sgd", "lion"),
+    "--layer-backward-hooks": ("none", "first", "every"),
 }
 KNOWN_FLAGS = {"--model", "--ds-config", "--gpu", "--target", "--json", "--help", *SIZE_FLAGS, *CHOICE_FLAGS}
 #: the 176b preset's attention heads (the default model); sp must divide them

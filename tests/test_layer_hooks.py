@@ -101,3 +101,25 @@ def test_first_hooks_only_the_first_micro_step_and_every_all():
     assert extra_first["step0.micro0.backward"] > 0
     assert all(extra_first[p] == 0 for p in backwards[1:])
     assert all(extra_every[p] == extra_first["step0.micro0.backward"] for p in backwards)
+
+
+@pytest.mark.parametrize("extra", [["--checkpointing", "full"], ["--pp", "2", "--gpus", "2"]])
+def test_the_flag_refuses_what_is_not_modelled_naming_itself(extra):
+    from test_bad_input import run_main
+
+    rc, out, err = run_main(["estimate", "--model", "llama-3.2-1b", "--layer-backward-hooks", "first", *extra])
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--layer-backward-hooks" in err
+
+
+def test_the_flag_reaches_the_job():
+    from memplan.options import request_of
+    from memplan.resolve import resolve_job
+    from test_bad_input import run_main
+
+    rc, out, _ = run_main(["estimate", "--model", "llama-3.2-1b", "--layer-backward-hooks", "every", "--json"])
+    assert rc == 0 and out
+    import argparse
+
+    args = argparse.Namespace(model="llama-3.2-1b", layer_backward_hooks="every")
+    assert resolve_job(request_of(args)).job.training.layer_backward_hooks == "every"

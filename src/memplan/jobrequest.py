@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .specs import Attention, Checkpointing, Loop, ModelImpl, OffloadDevice, Optimizer, TrainDtype
+from .specs import (Attention, Checkpointing, LayerBackwardHooks, Loop, ModelImpl, OffloadDevice, Optimizer,
+                    TrainDtype)
 
 #: the article's model preset (176b_config.json), sequence length, launch (launch.sh: --num_nodes 1
 #: --num_gpus 8) and GPU (the article's 8×A100-80GB)
@@ -61,6 +62,7 @@ class JobRequest(BaseModel):
     optimizer: Optimizer | None = None
     loop: Loop | None = None
     model_impl: ModelImpl | None = None
+    layer_backward_hooks: LayerBackwardHooks | None = None
     ds_config: str | None = None
     training_args: str | None = None
     alloc_conf: str | None = None

@@ -20,7 +20,7 @@ from typing import Any, get_args
 from .bounds import MAX_COUNT, count_type, rank_count, size_type
 from .errors import shorten
 from .inputs import MAX_INPUT_BYTES, check_regular
-from .specs import Attention, Checkpointing, Loop, ModelImpl, OffloadDevice, Optimizer, TrainDtype
+from .specs import Attention, Checkpointing, LayerBackwardHooks, Loop, ModelImpl, OffloadDevice, Optimizer, TrainDtype
 
 #: the largest count a flag takes (2**40 tokens or steps is far beyond any real job; keeps byte arithmetic in
 #: the estimator exact in float64 where it divides); ranks are bounded lower (memplan.bounds.MAX_RANKS)
@@ -91,6 +91,9 @@ JOB_FLAGS: dict[str, dict[str, Any]] = {
                                 "hf-trainer (the Trainer fills the --ds-config's \"auto\" from them, see memplan.hf)"},
     "--alloc-conf": {"metavar": "CONF",
                      "help": "PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True (default: torch's defaults)"},
+    "--layer-backward-hooks": {"choices": get_args(LayerBackwardHooks),
+                               "help": "full backward hooks your code puts on every decoder layer (profilers): "
+                                       "none (default), first (the first micro-step only) or every micro-step"},
     "--model-impl": {"choices": get_args(ModelImpl),
                      "help": "code that builds the model: transformers (default) or megatron (Megatron's GPT)"},
 }
@@ -161,6 +164,7 @@ _DESTS = {"seq": "seq", "micro_batch": "micro_batch", "grad_accum": "grad_accum"
           "tp_sequence_parallel": "tp_sequence_parallel", "zero": "zero", "offload_optimizer": "offload_optimizer",
           "offload_param": "offload_param", "dtype": "dtype", "checkpointing": "checkpointing",
           "attention": "attention", "optimizer": "optimizer", "loop": "loop", "model_impl": "model_impl",
+          "layer_backward_hooks": "layer_backward_hooks",
           "model": "model", "ds_config": "ds_config", "training_args": "training_args", "alloc_conf": "alloc_conf",
           "lora_rank": "lora_rank", "lora_targets": "lora_targets", "lora_dropout": "lora_dropout",
           "peft_config": "peft_config", "freeze": "freeze", "gpu": "gpu"}

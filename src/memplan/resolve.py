@@ -51,7 +51,8 @@ def _explicit(req: JobRequest) -> dict[str, Any]:
     flat = {"seq_len": req.seq, "micro_batch": req.micro_batch, "grad_accum": req.grad_accum, "world": req.gpus,
             "gpus_per_node": req.gpus_per_node, "tp": req.tp, "pp": req.pp, "sp": req.sp, "dtype": req.dtype,
             "checkpointing": req.checkpointing, "attention": req.attention, "optimizer": req.optimizer,
-            "tp_sequence_parallel": req.tp_sequence_parallel, "loop": req.loop, "model_impl": req.model_impl}
+            "tp_sequence_parallel": req.tp_sequence_parallel, "loop": req.loop, "model_impl": req.model_impl,
+            "layer_backward_hooks": req.layer_backward_hooks}
     out = {k: v for k, v in flat.items() if v is not None}
     zero = {"stage": req.zero, "offload_optimizer": req.offload_optimizer, "offload_param": req.offload_param}
     zero = {k: v for k, v in zero.items() if v is not None}
