@@ -123,3 +123,32 @@ def test_the_flag_reaches_the_job():
 
     args = argparse.Namespace(model="llama-3.2-1b", layer_backward_hooks="every")
     assert resolve_job(request_of(args)).job.training.layer_backward_hooks == "every"
+
+
+def test_rows_measured_again_without_the_hooks_move_as_predicted():
+    """benchmarks/accuracy/rows-h100-25-hookfree.jsonl: rows whose first micro-step the old verify ran with full
+    backward hooks, measured again with its hook-free marks (name prefix hf25-). Each pair is predicted within 1 %
+    on both sides, and where the measured peak moved by more than 0.1 %, the prediction moved the same way."""
+    from pathlib import Path
+
+    from memplan.accuracy import compare_rows, iter_rows, job_of_row
+
+    rows = {r["name"]: r for r in iter_rows(Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy")
+            if r.get("status") == "ok"}
+    pairs = [(rows[n], rows[n.removeprefix("hf25-")]) for n in rows
+             if n.startswith("hf25-") and n.removeprefix("hf25-") in rows]
+    assert len(pairs) >= 2
+    moved = 0
+    for new, old in pairs:
+        assert job_of_row(new).training.layer_backward_hooks == "none"
+        assert job_of_row(old).training.layer_backward_hooks == "first"
+        (cn,), (co,) = compare_rows([new]), compare_rows([old])
+        for c in (cn, co):
+            assert abs(c.error) <= 0.01 and abs(c.reserved_error) <= 0.01, c.name
+        for measured, predicted in ((cn.measured_bytes - co.measured_bytes, cn.predicted_bytes - co.predicted_bytes),
+                                    (cn.measured_reserved_bytes - co.measured_reserved_bytes,
+                                     cn.predicted_reserved_bytes - co.predicted_reserved_bytes)):
+            if abs(measured) > 0.001 * co.measured_bytes:
+                moved += 1
+                assert (measured > 0) == (predicted > 0), (new["name"], measured, predicted)
+    assert moved >= 1  # the hooks changed some measured peak, or the pairs check nothing
