@@ -272,22 +272,50 @@ def test_classify_frame(label, component):
 
 #: traces/: recorded with Python stacks; traces-lone/ (H200) and traces-lone-h100/: ZeRO-3 jobs run alone on the
 #: GPU, recorded without stacks; traces-19/: seed 11's check rows run alone and diagnosis traces (H200, no stacks); traces-20/: seed 12's
-#: check rows run alone (H100, no stacks; a pipeline row's last stage as NAME.rankN); traces-22/: seed 13's (H100)
+#: check rows run alone (H100, no stacks; a pipeline row's last stage as NAME.rankN); traces-22/: seed 13's (H100);
+#: traces-23/: seed 13's H100-sized lines; traces-25/: two studied rows traced again alone on an H100
 TRACE_DIRS = [ROOT / "benchmarks/accuracy/traces", ROOT / "benchmarks/accuracy/traces-lone",
               ROOT / "benchmarks/accuracy/traces-lone-h100", ROOT / "benchmarks/accuracy/traces-19",
               ROOT / "benchmarks/accuracy/traces-20", ROOT / "benchmarks/accuracy/traces-22",
-              ROOT / "benchmarks/accuracy/traces-23",
+              ROOT / "benchmarks/accuracy/traces-23", ROOT / "benchmarks/accuracy/traces-25",
               ROOT / "benchmarks/allocator/gpu"]
 TRACE_FILES = sorted(p for d in TRACE_DIRS for p in d.glob("*.json.gz")
                      if p.name.startswith("trace") or d.name.startswith("traces"))
 
 
+#: traces the simulator replays within 2 % only with the driver's own segment addresses (the test below): where
+#: equal-sized cached blocks tie, best fit takes the lowest address, and the simulated addresses (each new segment
+#: below the last, none reused) order them otherwise than cudaMalloc did, which reuses the virtual ranges that
+#: init's empty_cache released (ZeRO-3's defragmentation) by rules of the driver's own (issue 12)
+ADDRESS_GAPS = {
+    "tr25-s5-024-llama-3-405b-L3-loss-z3-w64-s4k.json.gz": (
+        "405B-width ZeRO-3 in fp32 at 4K: the 8 GiB math-attention grads of step 1 find no free 8 GiB block where "
+        "the simulated addresses had step 0's 3.3 GiB weight grads split one (+13.8 %; 0.00 % with the trace's "
+        "addresses)"),
+}
+
+
 @pytest.mark.skipif(not TRACE_FILES, reason="no GPU traces are committed under benchmarks/accuracy/traces/ "
                                             "or benchmarks/allocator/gpu/ yet")
-@pytest.mark.parametrize("path", TRACE_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.xfail(strict=True, reason=ADDRESS_GAPS[p.name])]
+                                               if p.name in ADDRESS_GAPS else []) for p in TRACE_FILES],
+                         ids=lambda p: p.name)
 def test_every_committed_gpu_trace_replays_within_2_percent(path):
     trace = read_trace(path)
     m = measured_reserved(trace)
     r = simulate(ledger_from_trace(trace), settings_config(trace["allocator_settings"]))
     assert abs(r.peak_reserved_bytes - m["peak_reserved_bytes"]) <= 0.02 * m["peak_reserved_bytes"], (
+        r.peak_reserved_bytes, m["peak_reserved_bytes"])
+
+
+@pytest.mark.skipif(not TRACE_FILES, reason="no GPU traces committed")
+@pytest.mark.parametrize("path", TRACE_FILES, ids=lambda p: p.name)
+def test_every_committed_gpu_trace_replays_within_half_a_percent_at_its_own_addresses(path):
+    """The simulator's rules alone, free of the address model: each segment placed where cudaMalloc put it
+    (trace.segment_addresses), every committed trace's peak reserved within 0.5 %."""
+    trace = read_trace(path)
+    m = measured_reserved(trace)
+    r = simulate(ledger_from_trace(trace), settings_config(trace["allocator_settings"]),
+                 segment_addresses=segment_addresses(trace))
+    assert abs(r.peak_reserved_bytes - m["peak_reserved_bytes"]) <= 0.005 * m["peak_reserved_bytes"], (
         r.peak_reserved_bytes, m["peak_reserved_bytes"])

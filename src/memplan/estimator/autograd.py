@@ -218,17 +218,23 @@ class Autograd(BackwardEngine):
 
     def op(self, name: str, out_bytes: int, inputs: tuple, saved: tuple = (), backward: Callable | None = None,
            component: str | None = None, flops: float = 0.0, kernel: int | None = None,
-           backward_ratio: float = BACKWARD_RATIO) -> Tensor:
+           backward_ratio: float = BACKWARD_RATIO, saves_after: bool = False) -> Tensor:
         """An op with a fresh output of ``out_bytes``: records its node when grad mode is on and an input
         requires grad. ``saved`` are the tensors autograd keeps for backward (the output may be among them:
         pass the string "out"). Its time (timing.py): ``flops`` operations of ``kernel`` (default: the training
         dtype's matrix product when there are operations, else a memory-bound kernel over the inputs and the
-        output); its backward ``backward_ratio`` times that."""
+        output); its backward ``backward_ratio`` times that. ``saves_after``: a custom autograd.Function, whose
+        setup_context saves after its forward ran: a checkpoint's recompute that stops at it (its pack hook
+        raises torch.utils.checkpoint's _StopRecomputationError) has made the output, which dies as the stop
+        unwinds Function.apply (aten ops pack their inputs before the kernel: nothing is made)."""
         needs = self.grad_enabled and any(t.requires_grad for t in inputs)
         last = needs and self.stop_at is not None and len(self.nodes) == self.stop_at
-        if last and "out" not in saved:  # the recompute stops once this op packs its inputs
+        if last and "out" not in saved and not saves_after:  # the recompute stops once this op packs its inputs
             self.suppress = True
         out = self.empty(name, out_bytes, needs, component)
+        if last and saves_after and out.storage is not None:  # made, then dropped by the stop (see above)
+            self.ledger.free(out.storage.tid)
+            out.storage = None
         if not self.suppress:
             nbytes = out_bytes + sum(t.nbytes for t in inputs)
             kind = kernel if kernel is not None else self.gemm_kernel if flops else MEMORY

@@ -38,9 +38,12 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
                 hook()
             return t
 
-        # the input's grad reaches x through the reshape F.linear folds [.., in] into (a view of it)
+        # the input's grad reaches x through the reshape F.linear folds [.., in] into (a view of it); ZeRO-3's
+        # grad_output.matmul(weight) folds inside the custom backward, returning mm's result through
+        # _unsafe_view (no view: InputBuffer may accumulate into it in place)
         def gx():
-            return first_gemm(ctx.new(f"grad.{name}.input", in_bytes, view=True) if x.requires_grad else None)
+            return first_gemm(ctx.new(f"grad.{name}.input", in_bytes, view=not keeps_input) if x.requires_grad
+                              else None)
 
         def gw():
             return first_gemm(ctx.new(f"grad.{name}.weight", w_bytes, view=transposed) if weight.requires_grad
@@ -66,7 +69,8 @@ def linear(ag: Autograd, x: Tensor, weight: Tensor, out_bytes: int, name: str, b
                                                                     else ())
     if weight.param is None and not keeps_input:  # a computed weight (peft's ParamWrapper): MmBackward0
         saved = saved[::-1]  # releases mat2_ (the weight) before self_; a parameter's release frees no bytes
-    out = ag.op(name, out_bytes, inputs, saved, backward, flops=gemm_flops(in_bytes, w_bytes, out_bytes, ag.elem_bytes))
+    out = ag.op(name, out_bytes, inputs, saved, backward, flops=gemm_flops(in_bytes, w_bytes, out_bytes, ag.elem_bytes),
+                saves_after=keeps_input)  # LinearFunctionForZeroStage3 is a custom autograd.Function
     ag.first_matmul()  # its output is allocated before the gemm asks for the thread's cuBLAS handle
     if bias is not None and cuda_bytes:
         stage_reduction(out, inputs.index(bias), out_bytes // bias.nbytes, bias.nbytes // cuda_bytes, True)

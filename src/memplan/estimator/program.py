@@ -11,7 +11,8 @@ trainable parameters (train_set.train_set) reach the optimizer.
 
 The loop (TrainingSpec.loop: memplan.verify's DeepSpeed loop keeping ``outputs`` or the ``loss``, or
 transformers' Trainer) is estimator/loop.py: its inputs, scalars, what its Python code keeps, and which phases
-it has.
+it has. Full backward hooks the job's code puts on the decoder layers (TrainingSpec.layer_backward_hooks) wrap each
+layer of the forwards they cover (estimator/layer_hooks.py).
 
 cuBLAS: a thread's first matmul creates its handle's workspace from torch's caching allocator
 (aten/src/ATen/cuda/CublasHandlePool.cpp getCurrentCUDABlasHandle: handles are per thread; 32 MiB on Hopper),
@@ -87,8 +88,12 @@ def engine_for(L: Ledger, job: Job, trainable, places: Places, every: list[tuple
     names = [k for k, _ in every if trainable(k)]
     numels = [n for k, n in every if trainable(k)]
     opt = Optimizer(t.optimizer, on_gpu=z.offload_optimizer == "none", host=places)
+    # the engine's communication_data_type: seq_parallel_communication_data_type once Ulysses is on
+    # (DeepSpeedEngine.__init__: ``self.communication_data_type = self._config.seq_parallel_communication_data_type``
+    # when sequence_parallel_size > 1), else the training dtype (no communication_data_type in the config)
+    comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b
     if picks_bf16_optimizer(job):  # stage 1 with fp32 accumulation, or stage 0 in bf16 under pp
-        return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype or t.dtype), b, lay.zero_group,
+        return BF16Optimizer(L, names, numels, b, dtype_bytes(t.grad_accum_dtype or t.dtype), comm, lay.zero_group,
                              opt)
     if z.stage == 0:
         return Zero0(L, names, numels, b, opt, lay.world)
@@ -96,13 +101,12 @@ def engine_for(L: Ledger, job: Job, trainable, places: Places, every: list[tuple
         group = FlatGroup(names, numels, lay.zero_group, dp_rank)
         # allreduce_bucket communicates in fp32 whenever sequence_parallel_size > 1, whatever
         # seq_parallel_communication_data_type says (stage_1_and_2.py: ``communication_data_type = torch.float32``)
-        comm = 4 if lay.sp > 1 else b
+        zero_comm = 4 if lay.sp > 1 else b
         # _configure_zero_optimizer turns overlap_comm off for a PipelineModule ("Pipeline parallelism does not
         # support overlapped communication, will be disabled.")
         return Zero12(L, z.stage, [group], b, z.reduce_bucket_size, z.overlap and lay.pp == 1, t.grad_accum, opt,
-                      comm, offload=z.offload_optimizer != "none", pipeline=lay.pp > 1,
+                      zero_comm, offload=z.offload_optimizer != "none", pipeline=lay.pp > 1,
                       compact=fp32_accumulation(job))
-    comm = dtype_bytes(t.sp_comm_dtype) if lay.sp > 1 else b  # the engine's communication_data_type
     all_names = [k for k, _ in every]
     all_numels = [n for _, n in every]
     # the trainable parameters' dtype (stage3.py: self.dtype, the first group's): fp32 adapters under zero.Init

@@ -131,7 +131,12 @@ class Zero3(Zero3Params):
                 P.free_host(converted)
                 P.host_alloc("zero3.fp32_partition", FP32 * n, "master_params_fp32")
             else:
-                conv = L.alloc("zero3.fp32_partition (converted)", FP32 * n, "master_params_fp32")
+                # ``flat.to(device, dtype=fp32)`` returns the flat itself when it already is fp32 on this device
+                # (fp32 training; fp32 adapters), then ``.clone()`` copies it. (The branch that would reuse the
+                # flat as the fp32 partition compares ``tensor.device == self.device``, and the allocation trace of
+                # an fp32 job, tr25-s5-024, shows the clone: one 860 MB allocation, kept.)
+                conv = (None if self.b == FP32 and not lp_host else
+                        L.alloc("zero3.fp32_partition (converted)", FP32 * n, "master_params_fp32"))
                 if lp_host:  # host → GPU with a conversion: the fp32 copy made on the host
                     P.free_host(P.host_alloc("zero3.fp16_to_fp32_host", FP32 * n))
                 P.free_dev(converted)
