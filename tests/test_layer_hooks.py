@@ -13,7 +13,6 @@ import pytest
 
 from memplan.estimator.autograd import Autograd, _passthrough
 from memplan.estimator.layer_hooks import LayerBackwardHooks
-from memplan.estimator.transformer import Net, Shape
 from memplan.ledger import PHASE, Ledger
 from memplan.presets import load_model
 from memplan.specs import Job, TrainingSpec
