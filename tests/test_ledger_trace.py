@@ -97,6 +97,13 @@ CASES = [
 ]
 
 
+def _assert_same_events(real, predicted) -> None:
+    """The two event lists agree (model_check.first_mismatch), else the first event where they part."""
+    first = model_check.first_mismatch(real, predicted)
+    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
+                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """One intra-op thread: no per-thread reduction buffers, and CI's two cores are not oversubscribed."""
@@ -146,9 +153,7 @@ def test_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, checkp
     real = cputrace.net_events(cputrace.record(step))
     predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
                                          sdpa_backend=kernel or None, checkpointing=checkpointing)
-    first = model_check.first_mismatch(real, predicted)
-    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
-                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+    _assert_same_events(real, predicted)
 
 
 #: a full backward hook (register_full_backward_hook, a no-op) on every decoder layer, as profilers and memplan
@@ -184,9 +189,7 @@ def test_layer_backward_hooks_match_cpu_trace(tiny, batch, seq, dtype, attention
                                          layer_hooks=True)
     unhooked = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu")
     assert predicted != unhooked  # the hooks change the order of events, or the case checks nothing
-    first = model_check.first_mismatch(real, predicted)
-    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
-                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+    _assert_same_events(real, predicted)
 
 
 #: peft LoRA on the tiny models (issue 14): (TINY config, batch, seq, dtype, attention, checkpointing, targets, rank,
@@ -233,9 +236,7 @@ def test_lora_micro_step_matches_cpu_trace(tiny, batch, seq, dtype, attention, c
     predicted = model_check.model_events(cfg, batch=batch, seq=seq, dtype=dtype, attention=attention, device="cpu",
                                          checkpointing=checkpointing, adapter_dtype=adapter_dtype,
                                          lora=LoraSpec(rank=rank, targets=targets, dropout=dropout))
-    first = model_check.first_mismatch(real, predicted)
-    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
-                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+    _assert_same_events(real, predicted)
 
 
 #: LoRA that peft 0.21 routes through lora.ParamWrapper (estimator/peft_param.py): the MoE families' router weight
@@ -275,9 +276,7 @@ def test_param_wrapper_micro_step_matches_cpu_trace(tiny, checkpointing, targets
     predicted = model_check.model_events(cfg, batch=2, seq=32, dtype="bf16", attention="sdpa", device="cpu",
                                          checkpointing=checkpointing, adapter_dtype=adapter_dtype,
                                          lora=LoraSpec(rank=rank, alpha=16, targets=targets))
-    first = model_check.first_mismatch(real, predicted)
-    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
-                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+    _assert_same_events(real, predicted)
 
 
 def test_param_wrapper_trainable_parameters_are_peft_s():
@@ -341,6 +340,4 @@ def test_ulysses_micro_step_matches_cpu_trace(tiny, batch, seq, sp, checkpointin
     out = json.loads(run.stdout.strip().splitlines()[-1])  # both sides from one interpreter (set order)
     real, predicted = ([tuple(e) for e in out[k]] for k in ("real", "predicted"))
     assert len(real) > 100
-    first = model_check.first_mismatch(real, predicted)
-    assert first is None, (f"event {first}: real {real[first] if first < len(real) else None} vs predicted "
-                           f"{predicted[first] if first < len(predicted) else None} ({len(real)} vs {len(predicted)})")
+    _assert_same_events(real, predicted)

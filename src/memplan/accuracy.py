@@ -105,9 +105,9 @@ def job_of_row(row: dict) -> Job:
     if isinstance(training, dict) and "loop" not in training:
         # rows measured before verify ran other loops: its worker kept only the loss (``loss = engine(...).loss``)
         raw = {**raw, "training": {**training, "loop": "loss"}}
-    if isinstance(training, dict) and "layer_backward_hooks" not in training and _timeline_hooked(raw):
-        raw = {**raw, "training": {**raw["training"], "layer_backward_hooks": "first"}}
     job = Job.model_validate(raw)
+    if isinstance(training, dict) and "layer_backward_hooks" not in training and _timeline_hooked(job):
+        job = job.model_copy(update={"training": job.training.model_copy(update={"layer_backward_hooks": "first"})})
     try:
         model = load_model(job.model.name)
     except InputError:
@@ -115,16 +115,16 @@ def job_of_row(row: dict) -> Job:
     return job.model_copy(update={"model": model.model_copy(update={"num_layers": job.model.num_layers})})
 
 
-def _timeline_hooked(raw: dict) -> bool:
+def _timeline_hooked(job: Job) -> bool:
     """Whether verify's worker put full backward hooks on the decoder layers in the row's first micro-step: a row
     whose job has no layer_backward_hooks key was measured by a verify that marked the backward with
-    register_full_backward_hook (TimelineHooks in verify/worker.py ``train`` before the key existed) in the DeepSpeed
-    loops without pipeline parallelism, checkpointing none, ZeRO below 3, no adapters and nothing frozen."""
-    t, lay = (x if isinstance(x, dict) else {} for x in (raw.get("training"), raw.get("layout")))
-    zero = t.get("zero") if isinstance(t.get("zero"), dict) else {}
-    return (t.get("loop", "loss") != "hf-trainer" and t.get("model_impl", "transformers") == "transformers"
-            and lay.get("pp", 1) == 1 and t.get("checkpointing", "none") == "none" and zero.get("stage", 0) < 3
-            and t.get("lora") is None and not t.get("freeze"))
+    register_full_backward_hook (TimelineHooks in verify/worker.py ``train`` before the key existed), wherever its
+    DeepSpeed loops marked the backward (verify.phases.backward_marks) without pipeline parallelism."""
+    from .verify.phases import backward_marks
+
+    t = job.training
+    return (t.loop != "hf-trainer" and t.model_impl == "transformers" and job.layout.pp == 1
+            and backward_marks(t))
 
 
 def _measured_points(row: dict) -> Iterator[tuple[str, Job, int, int | None, str | None]]:

@@ -19,7 +19,8 @@ FLAG_OF_FIELD: dict[str, str] = {
     "sp": "--sp", "tp_sequence_parallel": "--tp-sequence-parallel", "stage": "--zero", "zero": "--zero",
     "offload_optimizer": "--offload-optimizer", "offload_param": "--offload-param", "dtype": "--dtype",
     "checkpointing": "--checkpointing", "attention": "--attention", "optimizer": "--optimizer", "model": "--model",
-    "loop": "--loop", "model_impl": "--model-impl", "layer_backward_hooks": "--layer-backward-hooks", "lora": "--lora-rank", "rank": "--lora-rank",
+    "loop": "--loop", "model_impl": "--model-impl", "layer_backward_hooks": "--layer-backward-hooks",
+    "lora": "--lora-rank", "rank": "--lora-rank",
     "targets": "--lora-targets", "freeze": "--freeze", "allocator": "--alloc-conf", "max_split_size_mb": "--alloc-conf",
     "roundup_power2_divisions": "--alloc-conf", "garbage_collection_threshold": "--alloc-conf",
 }

@@ -194,6 +194,11 @@ class TrainingSpec(_Frozen):
             raise ValueError("model_impl megatron runs Megatron's own training loop; allowed: --loop outputs or loss")
         return self
 
+    def layer_hooks_in(self, micro: int) -> bool:
+        """Whether the forward of micro-step ``micro`` (counted from 0 over all optimizer steps) runs with the
+        layer_backward_hooks."""
+        return self.layer_backward_hooks == "every" or (self.layer_backward_hooks == "first" and micro == 0)
+
     @model_validator(mode="after")
     def _check_layer_hooks(self) -> TrainingSpec:
         if self.layer_backward_hooks != "none" and (self.checkpointing != "none" or self.model_impl != "transformers"):

@@ -24,6 +24,8 @@ backward). The measured rows show it: 32 MiB more before the first layer's forwa
 
 from __future__ import annotations
 
+import itertools
+
 from ..ledger import Ledger
 from ..specs import Job
 from ..units import MiB, dtype_bytes
@@ -195,16 +197,15 @@ def build_ledger(job: Job, steps: int = 3, skipped=(), *, host: Ledger | None = 
 
         layer_fn = nonreentrant(ag)
 
-    forwards = []  # the forwards run so far (layer_backward_hooks "first": the first micro-step's only)
+    micro_steps = itertools.count()  # each forward's micro-step index (TrainingSpec.layer_hooks_in)
 
     def forward():
         if hooks is not None:
             hooks.start_forward()
         net = Net(ag, job.model, s, params, hooks, layer_fn, attention=t.attention, dtype=t.dtype)
         net.input_require_grads = t.checkpointing != "none"  # gradient_checkpointing_enable's hook
-        if t.layer_backward_hooks == "every" or (t.layer_backward_hooks == "first" and not forwards):
+        if t.layer_hooks_in(next(micro_steps)):
             net.layer_hooks = LayerBackwardHooks()
-        forwards.append(len(forwards))
         out = forward_of(net)
         out = out if hooks is None else hooks.end_forward(ag, out)
         out.leaves = ag.take_leaves()

@@ -181,6 +181,12 @@ class Recorder:
         }
 
 
+def backward_marks(t) -> bool:
+    """Whether verify marks the decoder layers' backward in a job of TrainingSpec ``t``: not where ZeRO-3's or
+    checkpointing's autograd functions wrap the layers, nor with adapters or frozen groups."""
+    return t.checkpointing == "none" and t.zero.stage < 3 and t.lora is None and not t.freeze
+
+
 class TimelineHooks:
     """Forward hooks on every decoder layer and the final norm / lm_head, and backward marks on the layers.
 

@@ -19,7 +19,7 @@ from ..dsconfig_emit import to_ds_config
 from ..specs import Job
 from . import autotp, hfbuild, pipeline, trainer
 from .envinfo import environment, write_json_atomic
-from .phases import Meter, Recorder, TimelineHooks
+from .phases import Meter, Recorder, TimelineHooks, backward_marks
 
 
 class Unsupported(Exception):
@@ -116,19 +116,18 @@ def train(engine, model, job: Job, rec: Recorder, steps: int, device: str, sp_ra
     positions = torch.arange(sp_rank * shard, (sp_rank + 1) * shard, device=device).unsqueeze(0).expand(t.micro_batch, -1)
     extra = {"position_ids": positions} if job.layout.sp > 1 else {}
     # backward marks: the job's own full backward hooks where it asks for them, else tensor hooks that hold nothing
-    # (ZeRO-3's and checkpointing's autograd functions around the layers: no backward marks there)
-    marks = "tensor" if t.checkpointing == "none" and t.zero.stage < 3 and t.lora is None and not t.freeze else "none"
+    marks = "tensor" if backward_marks(t) else "none"
     keep_outputs = t.loop == "outputs"
     outputs = None
     with attention_context(job):
         for s in range(steps):
             for m in range(t.grad_accum):
                 hooks = None
-                module_hooks = t.layer_backward_hooks == "every" or (t.layer_backward_hooks == "first" and s == m == 0)
-                if (s == 0 and m == 0) or module_hooks:
-                    layers = hfbuild.decoder_layers(model)
-                    hooks = TimelineHooks(rec, layers, hfbuild.final_modules(model) if s == m == 0 else [],
-                                          "module" if module_hooks else marks if s == m == 0 else "none")
+                first = s == m == 0  # the timeline's micro-step
+                module_hooks = t.layer_hooks_in(s * t.grad_accum + m)
+                if first or module_hooks:
+                    hooks = TimelineHooks(rec, hfbuild.decoder_layers(model), hfbuild.final_modules(model) if first
+                                          else [], "module" if module_hooks else marks)
                 ids = torch.randint(0, vocab, (t.micro_batch, shard), device=device)
                 rec.begin(f"step{s}.micro{m}.forward")
                 if keep_outputs:
