@@ -82,6 +82,10 @@ OOM_UNDER_THE_BOUND = {
                                           "(blocks_attention.select_kernel): 16 x 32K^2 fp32 scores a layer, "
                                           "which the bound counts as no scores; OOM in layer 0's forward, bound "
                                           "58.4 GiB, the estimator's 265.5 GiB (seed 8, session 11)",
+    "s14-007-mistral-7b-loss-z3-w16-sp8-s32k": "Ulysses sp 8 at 32K with the loss loop, measured on an H100 (80 GB, "
+                                               "not the H200 the bound is for): OOM in step 2's backward at 72.0 GiB "
+                                               "allocated, bound 29.4 GiB, the estimator's 72.0 GiB allocated and "
+                                               "100.3 GiB reserved (seed 14, session 26)",
 }
 
 
