@@ -2,11 +2,12 @@
 
 The allocator simulator (memplan.allocator.sim) breaks ties between equal-sized cached blocks by address, as
 CUDACachingAllocator's BlockComparatorSize does, so it needs the addresses cudaMalloc hands out. It places each new
-segment below the last; the driver instead reuses ranges that cudaFree (torch.cuda.empty_cache) released
-(benchmarks/accuracy/traces-25/tr25-s5-024: the 822 MiB segments made after init's empty_cache start at the freed
-8016 MiB segment's address and go up). This replays sequences of raw cudaMalloc / cudaFree (torch with
+segment below the last and never reuses a range that cudaFree (torch.cuda.empty_cache) released; the driver
+sometimes does (benchmarks/accuracy/traces-25/tr25-s5-024: the 822 MiB segments made after init's empty_cache start at
+the freed 8016 MiB segment's address and go up), though in most committed traces it does not
+(benchmarks/allocator/README.md). This replays sequences of raw cudaMalloc / cudaFree (torch with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1: one cudaMalloc of exactly the requested bytes per tensor, one cudaFree at its
-deletion) and records each allocation's address, one fresh process per sequence:
+deletion) and records each allocation's address, each sequence twice, each time in a fresh process:
 
 - ``tr25``: the segment sequence of tr25-s5-024 (its sizes and which segment each free releases);
 - ``holes``: patterns that tell the candidate rules apart (the lowest / highest / most recently freed hole, a hole
