@@ -274,12 +274,12 @@ def test_classify_frame(label, component):
 #: GPU, recorded without stacks; traces-19/: seed 11's check rows run alone and diagnosis traces (H200, no stacks); traces-20/: seed 12's
 #: check rows run alone (H100, no stacks; a pipeline row's last stage as NAME.rankN); traces-22/: seed 13's (H100);
 #: traces-23/: seed 13's H100-sized lines; traces-25/: two studied rows traced again alone on an H100; traces-26/:
-#: seed 14's H100-sized lines
+#: seed 14's H100-sized lines; traces-27/: seed 15's H100-sized lines and seed 14's s14-023
 TRACE_DIRS = [ROOT / "benchmarks/accuracy/traces", ROOT / "benchmarks/accuracy/traces-lone",
               ROOT / "benchmarks/accuracy/traces-lone-h100", ROOT / "benchmarks/accuracy/traces-19",
               ROOT / "benchmarks/accuracy/traces-20", ROOT / "benchmarks/accuracy/traces-22",
               ROOT / "benchmarks/accuracy/traces-23", ROOT / "benchmarks/accuracy/traces-25",
-              ROOT / "benchmarks/accuracy/traces-26",
+              ROOT / "benchmarks/accuracy/traces-26", ROOT / "benchmarks/accuracy/traces-27",
               ROOT / "benchmarks/allocator/gpu"]
 TRACE_FILES = sorted(p for d in TRACE_DIRS for p in d.glob("*.json.gz")
                      if p.name.startswith("trace") or d.name.startswith("traces"))
