@@ -14,7 +14,11 @@ This queues ``N_COMPUTE`` kernels of one kind on the default stream, then, after
 every copy's end (ms from the first kernel's start), for each kind × n × size. Also the kernel names cuBLAS picks
 (torch.profiler, one run per kind).
 
-Usage (GPU machine): python tools/side_burst_probe.py OUT.jsonl
+Session 27 added attention kernels (``attention_kinds``): a causal sdpa forward and its backward at 32K tokens and
+4 heads of 128 (Mistral-7B's attention under Ulysses sp 8), on the kernel sdpa picks (cuDNN on the H100) and on
+flash; each launches many waves of blocks, where a product launches about one.
+
+Usage (GPU machine): python tools/side_burst_probe.py OUT.jsonl [KIND ...]   (default: every kind)
 """
 from __future__ import annotations
 
@@ -39,7 +43,29 @@ def kinds() -> dict:
     g = torch.randn(4096, 4096, device=DEV)
     e = torch.randn(64 * 2**20, device=DEV)  # 256 MiB fp32
     return {"bf16_8192": lambda: a @ b, "bf16_405b_mlp": lambda: x @ w, "fp32_4096": lambda: f @ g,
-            "add_256mib": lambda: e.add_(1.0)}
+            "add_256mib": lambda: e.add_(1.0), **attention_kinds()}
+
+
+def attention_kinds() -> dict:
+    """Causal attention at 32K tokens, 4 query heads and one key/value head of 128 (repeated, as
+    transformers' sdpa path does for grouped-query heads): forward and backward, sdpa's own pick and flash."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = (1, 4, 32768, 128)
+    q, k, v = (torch.randn(shape, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = {}
+    for label, backends in (("sdpa", None), ("flash", [SDPBackend.FLASH_ATTENTION])):
+        def fwd(backends=backends):
+            if backends is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = fwd()
+        g = torch.randn_like(o)
+        out[f"{label}_fwd_32k"] = lambda fwd=fwd: fwd().detach()
+        out[f"{label}_bwd_32k"] = lambda o=o, g=g: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)
+    return out
 
 
 def run(launch, n: int, mib: int, side: torch.cuda.Stream) -> dict:
@@ -80,7 +106,10 @@ def main(argv: list[str]) -> int:
     out = open(argv[0], "w")
     side = torch.cuda.Stream()
     out.write(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}) + "\n")
+    wanted = argv[1:]
     for kind, launch in kinds().items():
+        if wanted and kind not in wanted:
+            continue
         try:
             kernel = names(launch)
         except Exception as exc:  # the profiler is an aid here, not the measurement
