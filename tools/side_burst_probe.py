@@ -107,7 +107,12 @@ def main(argv: list[str]) -> int:
     side = torch.cuda.Stream()
     out.write(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}) + "\n")
     wanted = argv[1:]
-    for kind, launch in kinds().items():
+    table = kinds()
+    unknown = sorted(set(wanted) - set(table))
+    if unknown:
+        print(f"side_burst_probe: unknown KIND {', '.join(unknown)}; allowed: {', '.join(table)}", file=sys.stderr)
+        return 2
+    for kind, launch in table.items():
         if wanted and kind not in wanted:
             continue
         try:
