@@ -13,6 +13,7 @@ median and worst |error| per split or per loop. `python -m memplan.accuracy [--s
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections.abc import Iterable, Iterator
@@ -154,9 +155,19 @@ def shared_gpu(row: dict) -> bool:
     return bool((row.get("batch") or {}).get("shared_gpu", True))
 
 
+@functools.lru_cache(maxsize=4096)
+def point_peak(job: Job, rank0: bool, stepped: bool, skipped: tuple[int, ...] | None, gpu):
+    """estimator.quick_peak of one measured point, remembered for the process: the estimator is a pure function
+    of these arguments (a frozen Job and GpuSpec), and the same point is asked for again by every reader of the
+    matrix (the accuracy table, calibrate, the report's evidence, the tests), at up to seconds a ZeRO-3 job."""
+    from .estimator import quick_peak
+
+    return quick_peak(job, rank0=rank0, stepped=stepped, skipped=skipped, gpu=gpu)
+
+
 def compare_rows(rows) -> list[Comparison]:
     """Estimate every successfully measured point of ``rows`` (on the GPU each ran on)."""
-    from .estimator import ledger_supported, quick_peak
+    from .estimator import ledger_supported
 
     out = []
     for row in rows:
@@ -164,8 +175,8 @@ def compare_rows(rows) -> list[Comparison]:
             continue
         for name, job, measured, reserved, phase in _measured_points(row):
             never_stepped = row.get("skipped_steps", 0) >= row.get("steps", 3)
-            q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", stepped=not never_stepped,
-                           skipped=skipped_steps(row), gpu=row_gpu(row))
+            q = point_peak(job, row.get("mode", "emulated") == "emulated", not never_stepped, skipped_steps(row),
+                           row_gpu(row))
             out.append(Comparison(name, measured, q.peak_allocated_bytes, phase, q.peak_phase,
                                   split=str(row.get("split") or HAND_WRITTEN), loop=job.training.loop,
                                   measured_reserved_bytes=reserved, predicted_reserved_bytes=q.peak_reserved_bytes,
@@ -186,15 +197,13 @@ def allocator_retried(row: dict) -> bool:
 def false_fits(rows) -> list[tuple[str, int, int]]:
     """(name, predicted device total, the card's bytes) of every measured OOM the estimate calls a fit on the
     card it ran on (``env.gpu_total_bytes``): the worst bug this tool can have."""
-    from .estimator import quick_peak
-
     out = []
     for row in rows:
         card = (row.get("env") or {}).get("gpu_total_bytes")
         if row.get("status") != "oom" or not card:
             continue
         job = job_of_row(row)
-        q = quick_peak(job, rank0=row.get("mode", "emulated") == "emulated", gpu=row_gpu(row))
+        q = point_peak(job, row.get("mode", "emulated") == "emulated", True, None, row_gpu(row))
         if q.device_total_bytes <= card:
             out.append((row["name"], q.device_total_bytes, card))
     return out

@@ -32,7 +32,7 @@ copied to the GPU first, then one aligned buffer per parameter; N = 1 takes the 
 from __future__ import annotations
 
 from collections import deque
-from itertools import groupby
+from itertools import groupby, islice
 
 from .places import Places
 from .timing import CPU_Z3_GATHER_S, FAKE_COLLECTIVE, FAKE_GATHER_COPY_S, MEMORY
@@ -76,6 +76,7 @@ class Zero3Params(Zero3Hooks):
         self.complete = False
         self.trace_modules: list[tuple[str, ...]] = []  # params of each fetched module, in order
         self.leaf_modules: set[tuple[str, ...]] = set()  # the params of each ZeRO-3 leaf module (Net.leaf)
+        self._reuse_memo: dict[tuple, frozenset[str]] = {}  # _reused_soon's walks
         self.param_order: list[tuple[str, int]] = []
         self.queue: deque = deque()
         self.recent: dict[str, int] = {}
@@ -300,21 +301,31 @@ class Zero3Params(Zero3Hooks):
             for p in params:
                 self._release(p, p in retain or p in saved)
             return
-        keep = {p for p in params if self.persistent(p) or self.recent.get(p, -10**12) > self.step_id}
-        traversed = 0
-        # iter_params(module, recurse=z3_leaf_module(submodule_to_release)): the recursion follows the module
-        # being released, so releasing an ordinary module walks a leaf module of the trace (a MoE block, whose
-        # parameters all sit in its router and experts) without its parameters: they count for nothing
-        leaf = params in self.leaf_modules
-        for module in self.trace_modules[self.step_id:]:
-            if traversed >= self.reuse:
-                break
-            for p in (module if leaf or module not in self.leaf_modules else ()):
-                keep.add(p)
-                traversed += self.numel[p]
+        keep = self._reused_soon(params in self.leaf_modules)
         for p in params:
-            if p not in keep:
+            if not (p in keep or self.persistent(p) or self.recent.get(p, -10**12) > self.step_id):
                 self._release(p, p in retain or p in saved)
+
+    def _reused_soon(self, leaf: bool) -> frozenset[str]:
+        """__params_to_release's walk of the trace from the current step: the parameters of the modules ahead
+        until max_reuse_distance elements are traversed. iter_params(module, recurse=z3_leaf_module(
+        submodule_to_release)): the recursion follows the module being released, so releasing an ordinary module
+        walks a leaf module of the trace (a MoE block, whose parameters all sit in its router and experts) without
+        its parameters: they count for nothing. A function of the step, ``leaf`` and the trace (which only grows),
+        remembered: a release walks up to the whole trace, and every module's forward and backward releases."""
+        key = (self.step_id, leaf, len(self.trace_modules), len(self.leaf_modules))
+        got = self._reuse_memo.get(key)
+        if got is None:
+            keep: set[str] = set()
+            traversed = 0
+            for module in islice(self.trace_modules, self.step_id, None):
+                if traversed >= self.reuse:
+                    break
+                for p in (module if leaf or module not in self.leaf_modules else ()):
+                    keep.add(p)
+                    traversed += self.numel[p]
+            got = self._reuse_memo[key] = frozenset(keep)
+        return got
 
     def partition_all(self) -> None:
         """_partition_all_parameters → release_and_reset_all: in-flight handles waited, ds_active_sub_modules
