@@ -3,6 +3,7 @@ result does not depend on the seed of the day; locally it keeps exploring new ex
 
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
@@ -16,9 +17,8 @@ if os.environ.get("CI"):
 MATRIX_FILES = frozenset({"test_accuracy.py", "test_calibrate.py", "test_lora.py"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("matrix" if name in MATRIX_FILES else name))
