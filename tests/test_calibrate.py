@@ -207,10 +207,12 @@ def _bad_rows(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["not json", "not an object", "no peak", "bad job", "two rows"])
-def test_calibrate_hostile_rows_exit_2(tmp_path, capsys, case):
+def test_calibrate_hostile_rows_exit_2(tmp_path, capsys, monkeypatch, case):
     lines, field = _bad_rows(tmp_path)[case]
     (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
-    assert main(["calibrate", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "c.json")]) == 2
+    # relative names: an error shortens a path of over 80 characters (as a pytest-xdist worker's tmp_path can be)
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "rows.jsonl", "--out", "c.json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and field in err and "Traceback" not in err
     assert not (tmp_path / "c.json").exists()
@@ -228,13 +230,14 @@ def test_calibrate_missing_path_exits_2(tmp_path, capsys):
     (lambda c: c["factors"][0].update(factor=FACTOR_MIN * 0.99), "factors.0.factor"),
     (lambda c: c.update(rows=c["rows"][:2]), "rows"),
 ])
-def test_estimate_refuses_a_bad_calibration_file(tmp_path, capsys, edit, field):
+def test_estimate_refuses_a_bad_calibration_file(tmp_path, capsys, monkeypatch, edit, field):
+    monkeypatch.chdir(tmp_path)  # relative names: an error shortens a path of over 80 characters
     _write_rows(tmp_path / "rows.jsonl", _rows_measuring(1.05))
     good = tmp_path / "cal.json"
     assert main(["calibrate", str(tmp_path / "rows.jsonl"), "--out", str(good), "--json"]) == 0
     data = json.loads(good.read_text())
     edit(data)
-    bad = tmp_path / "bad.json"
+    bad = Path("bad.json")
     bad.write_text(json.dumps(data))
     capsys.readouterr()
     assert main([*ESTIMATE, "--calibration", str(bad)]) == 2
@@ -243,8 +246,9 @@ def test_estimate_refuses_a_bad_calibration_file(tmp_path, capsys, edit, field):
 
 
 @pytest.mark.parametrize("text", ["{", "[]", None])
-def test_estimate_refuses_unreadable_calibration(tmp_path, capsys, text):
-    path = tmp_path / "cal.json"
+def test_estimate_refuses_unreadable_calibration(tmp_path, capsys, monkeypatch, text):
+    monkeypatch.chdir(tmp_path)  # a relative name: an error shortens a path of over 80 characters
+    path = Path("cal.json")
     if text is not None:
         path.write_text(text)
     assert main([*ESTIMATE, "--calibration", str(path)]) == 2
